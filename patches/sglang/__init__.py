@@ -1,0 +1,2 @@
+"""SGLang integration (radix-cache patch, HiCache, plugin). Importing this package imports no
+sglang module; sglang is touched only when a patch is applied."""

@@ -1,0 +1,2 @@
+"""vLLM integration (KVConnectorBase_V1 connector). Importing this package imports no vllm
+module."""

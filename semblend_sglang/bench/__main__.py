@@ -1,0 +1,48 @@
+"""``python -m semblend_sglang.bench [JOB] [OPTIONS]``: the benchmark jobs.
+
+With no JOB the main job (``ttft``) runs with its defaults. Each job lives in its own module as a
+click command named ``command`` and is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+JOBS: dict[str, tuple[str, str]] = {
+    "ttft": ("semblend_sglang.bench.ttft", "TTFT of cold vs exact-repeat prompts on the server."),
+    "provider": ("semblend_sglang.bench.provider", "Donor lookup latency and index memory."),
+    "kernels": ("semblend_sglang.bench.kernels", "transfer_kv bandwidth against a plain copy."),
+}
+DEFAULT_JOB = "ttft"
+
+
+class _LazyJobs(click.Group):
+    """Click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(JOBS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in JOBS:
+            return None
+        module = importlib.import_module(JOBS[cmd_name][0])
+        command: click.Command = module.command
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Jobs"):
+            formatter.write_dl([(name, help_) for name, (_, help_) in JOBS.items()])
+
+
+@click.group(cls=_LazyJobs, invoke_without_command=True)
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """semblend-sglang benchmarks. Without a JOB, runs the main job (ttft) on its defaults."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(_LazyJobs().get_command(ctx, DEFAULT_JOB) or main)
+
+
+if __name__ == "__main__":
+    main(prog_name="python -m semblend_sglang.bench")

