@@ -1,0 +1,126 @@
+"""The ``semblend-sglang`` CLI: prepare-model (cached, offline) and serve (Ctrl-C stops all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from semblend_sglang.cli import main
+from semblend_sglang.model_prep import MARKER, MODEL_FOLDER_NAME, default_cache_dir
+from semblend_sglang.server import CPU_SERVER_FLAGS, build_server_command, free_port
+
+CLI = [sys.executable, "-m", "semblend_sglang.cli"]
+
+
+def test_prepared_folder_is_a_complete_bf16_hf_model(smollm2_model_dir: Path) -> None:
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        MARKER,
+    ):
+        assert (smollm2_model_dir / name).is_file(), name
+    config = json.loads((smollm2_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    assert config["num_hidden_layers"] == 30
+    assert config["num_key_value_heads"] == 3
+    with safe_open(str(smollm2_model_dir / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        assert "lm_head.weight" not in keys  # tied to the embedding
+        assert str(f.get_tensor("model.embed_tokens.weight").dtype) == "torch.bfloat16"
+    # 30 layers x 9 tensors + embedding + final norm, nothing dropped but the tied head.
+    assert len(keys) == 30 * 9 + 2
+
+
+def test_prepare_model_reuses_the_cached_folder(smollm2_model_dir: Path) -> None:
+    safetensors = smollm2_model_dir / "model.safetensors"
+    before = safetensors.stat().st_mtime_ns
+    runner = CliRunner()
+    by_flag = runner.invoke(main, ["prepare-model", "--cache-dir", str(smollm2_model_dir.parent)])
+    assert by_flag.exit_code == 0, by_flag.output
+    assert by_flag.output.strip() == str(smollm2_model_dir)
+    by_env = runner.invoke(
+        main, ["prepare-model"], env={"SEMBLEND_MODEL_CACHE": str(smollm2_model_dir.parent)}
+    )
+    assert by_env.exit_code == 0, by_env.output
+    assert by_env.output.strip() == str(smollm2_model_dir)
+    assert safetensors.stat().st_mtime_ns == before
+
+
+def test_default_cache_dir_env_and_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SEMBLEND_MODEL_CACHE", raising=False)
+    assert default_cache_dir() == Path.home() / ".cache" / "semblend-sglang" / "models"
+    monkeypatch.setenv("SEMBLEND_MODEL_CACHE", "/x/y")
+    assert default_cache_dir() == Path("/x/y")
+    assert MODEL_FOLDER_NAME.endswith("-bf16")
+
+
+def test_server_command_cpu_flags_can_be_overridden() -> None:
+    cmd = build_server_command("/m", port=1234, extra_args=["--max-total-tokens", "8192"], cpu=True)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert cmd.count("--max-total-tokens") == 1
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "8192"
+    for flag in ("--device", "--attention-backend", "--disable-cuda-graph", "--sleep-on-idle"):
+        assert flag in cmd
+    gpu = build_server_command("/m", cpu=False)
+    assert not set(CPU_SERVER_FLAGS) & set(gpu[7:])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.e2e
+def test_serve_prints_url_and_sigint_stops_server_and_children(smollm2_model_dir: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--model-path", str(smollm2_model_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        ready = ""
+        deadline = time.monotonic() + 600
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            if "ready at" in line:
+                ready = line
+                break
+        assert f"http://127.0.0.1:{port}" in ready, ready
+        children = subprocess.run(
+            ["pgrep", "-f", f"sglang.launch_server.*--port {port}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert children, "no sglang.launch_server process found"
+        server_pgid = os.getpgid(int(children[0]))
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while _group_alive(server_pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _group_alive(server_pgid), "server processes survived Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
