@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
+
 from semblend_sglang.kernels.kv_layouts import (
     BlockCaches,
     PagedLayout,

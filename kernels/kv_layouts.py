@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import MAX_ABS_DELTA
 

@@ -6,6 +6,7 @@ The reference every Triton kernel in this package is tested against, and the pat
 from __future__ import annotations
 
 import torch
+
 from semblend_sglang.kernels.rope_spec import RopeSpec
 
 MAX_ABS_DELTA = 1 << 24

@@ -7,6 +7,7 @@ tensor to a new output tensor (slot i -> slot i), so the rotation code exists ex
 from __future__ import annotations
 
 import torch
+
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import MAX_ABS_DELTA, check_rotate_args
 from semblend_sglang.kernels.transfer_triton import launch

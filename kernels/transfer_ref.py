@@ -7,6 +7,7 @@ one implementation serves SGLang's and vLLM's layouts. Writes only the destinati
 from __future__ import annotations
 
 import torch
+
 from semblend_sglang.kernels.kv_layouts import FP8_DTYPE, BlockCaches
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import rotate_fp32

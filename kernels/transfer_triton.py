@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
 from semblend_sglang.kernels.kv_layouts import FP8_DTYPE, BlockCaches
 from semblend_sglang.kernels.rope_spec import RopeSpec
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from semblend_sglang.kernels import RopeConfigError, RopeSpec
 from transformers import GPTJConfig, GPTNeoXConfig, LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from semblend_sglang.kernels import RopeConfigError, RopeSpec
 
 
 def test_smollm2_config_json_and_object_agree(smollm2_model_dir: Path) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from kernels_real_keys import real_keys
-from semblend_sglang.kernels import RopeSpec, rotate_k
 from transformers import GPTJConfig, GPTNeoXConfig, LlamaConfig, Qwen2Config
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 from transformers.models.gpt_neox.modeling_gpt_neox import (
@@ -22,6 +21,8 @@ from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_
 from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+from semblend_sglang.kernels import RopeSpec, rotate_k
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (first position p0, delta d): forward, backward, far forward.

@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import torch
 from kernels_real_keys import real_keys
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
 from semblend_sglang.kernels import (
     RopeSpec,
     SlotOverlapError,
@@ -18,8 +21,6 @@ from semblend_sglang.kernels import (
 )
 from semblend_sglang.kernels.rotate_ref import rotate_fp32
 from semblend_sglang.kernels.transfer_ref import dequantize_fp8, quantize_fp8
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 FP8 = torch.float8_e4m3fn
 
