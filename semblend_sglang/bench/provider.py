@@ -1,0 +1,225 @@
+"""Benchmark ``provider``: lookup latency and index memory of the SemanticProvider.
+
+Donors are 4,096-token windows of the 49 real essays (SmolLM2 tokenizer), each behind one of a few
+instruction-like prefixes, at many offsets; the engine is emulated by a token source that rebuilds
+a donor's tokens from (prefix, offset), so the index holds only hashes and handles. Queries are
+4,096-token prompts at other offsets behind a prefix no donor has. Reports, per donor count:
+lookup p50/p99 (first lookup of each request; exact_len 0; page size 1), plans found, mean reused
+tokens, index bytes per donor (tracemalloc delta of building the index / donors, and the index's
+own accounting), and registration time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+PROMPT_TOKENS = 4096
+DONOR_COUNTS = (1_000, 10_000, 100_000)
+QUERIES = 300
+DONOR_PREFIXES = (
+    "Summarize the following essay in three sentences.",
+    "Read the essay below and list its main arguments.",
+    "You are a careful editor. Point out unclear passages in this text.",
+    "Answer questions about the following document.",
+    "Translate the key ideas of this essay into plain language.",
+    "Write a short critique of the essay that follows.",
+    "Extract every claim about startups from the text below.",
+    "Explain the author's reasoning step by step.",
+)
+QUERY_PREFIX = "Using only the essay below, what does the author recommend to founders, and why?"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids of the concatenated essays and of the prefixes."""
+
+    text: np.ndarray
+    donor_prefixes: tuple[np.ndarray, ...]
+    query_prefix: np.ndarray
+
+    def donor_offset(self, handle: int) -> int:
+        """Deterministic essay offset of donor ``handle`` (spread over the whole corpus)."""
+        span = self.text.size - PROMPT_TOKENS
+        return (handle * 7919) % span
+
+    def donor_tokens(self, handle: int) -> np.ndarray:
+        """Tokens of donor ``handle``: one of the prefixes, then essay text, 4,096 in all."""
+        prefix = self.donor_prefixes[handle % len(self.donor_prefixes)]
+        start = self.donor_offset(handle)
+        body = self.text[start : start + PROMPT_TOKENS - prefix.size]
+        return np.concatenate([prefix, body])
+
+    def query_tokens(self, i: int) -> np.ndarray:
+        """Query ``i``: the query prefix, then essay text at an offset no donor starts at."""
+        span = self.text.size - PROMPT_TOKENS
+        start = (i * 104729 + 13) % span
+        body = self.text[start : start + PROMPT_TOKENS - self.query_prefix.size]
+        return np.concatenate([self.query_prefix, body])
+
+
+def load_corpus() -> Corpus:
+    """Tokenize the essays and prefixes with the prepared SmolLM2 tokenizer (offline)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from ..cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from transformers import AutoTokenizer
+
+    from ..data import essay_texts
+    from ..model_prep import prepared_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(prepared_model_dir())
+
+    def encode(text: str) -> np.ndarray:
+        return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    text = np.concatenate([encode(t + "\n\n") for t in essay_texts()])
+    return Corpus(
+        text=text,
+        donor_prefixes=tuple(encode(p + "\n\n") for p in DONOR_PREFIXES),
+        query_prefix=encode(QUERY_PREFIX + "\n\n"),
+    )
+
+
+def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
+    """Register ``donors`` donors, then time ``queries`` lookups. Returns one result row."""
+    from prometheus_client import CollectorRegistry
+
+    from ..config import Config
+    from ..namespace import Namespace
+    from ..provider import SemanticProvider
+
+    namespace = Namespace("SmolLM2-135M-Instruct", "bench")
+    config = Config(max_donors=donors)
+    donor_inputs = [corpus.donor_tokens(h) for h in range(min(donors, 64))]
+
+    def token_source(handle: Any) -> np.ndarray:
+        return corpus.donor_tokens(int(handle))
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    provider = SemanticProvider(config, token_source, registry=CollectorRegistry())
+    started = time.perf_counter()
+    for handle in range(donors):
+        tokens = donor_inputs[handle] if handle < len(donor_inputs) else corpus.donor_tokens(handle)
+        provider.register(namespace, handle, tokens)
+        del tokens
+    register_s = time.perf_counter() - started
+    del donor_inputs
+    traced = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(provider.index) == donors, "index lost donors"
+
+    query_tokens = [corpus.query_tokens(i) for i in range(queries)]
+    for i in range(5):  # warm-up (first-touch of caches), not timed
+        provider.lookup(namespace, query_tokens[i], 0, f"warm-{i}")
+    times_ms: list[float] = []
+    plans = 0
+    reused = 0
+    for i, tokens in enumerate(query_tokens):
+        t0 = time.perf_counter_ns()
+        decision = provider.lookup(namespace, tokens, 0, f"q-{i}")
+        times_ms.append((time.perf_counter_ns() - t0) / 1e6)
+        if decision.plan is not None:
+            plans += 1
+            reused += decision.plan.reused_tokens
+        provider.release(f"q-{i}")
+    t0 = time.perf_counter_ns()
+    repeat_n = 1000
+    for _ in range(repeat_n):
+        provider.lookup(namespace, query_tokens[0], 0, "warm-0")
+    repeat_us = (time.perf_counter_ns() - t0) / 1e3 / repeat_n
+    arr = np.asarray(times_ms)
+    stats = provider.index.stats()
+    return {
+        "donors": donors,
+        "queries": queries,
+        "lookup_ms_p50": round(float(np.percentile(arr, 50)), 4),
+        "lookup_ms_p99": round(float(np.percentile(arr, 99)), 4),
+        "lookup_ms_max": round(float(arr.max()), 4),
+        "repeat_lookup_us": round(repeat_us, 3),
+        "plans": plans,
+        "mean_reused_tokens": round(reused / plans, 1) if plans else 0.0,
+        "bytes_per_donor": round(traced / donors, 1),
+        "index_accounted_bytes_per_donor": round(provider.index.nbytes() / donors, 1),
+        "postings_per_donor": round(stats["live_postings"] / donors, 1),
+        "register_s": round(register_s, 2),
+        "register_us_per_donor": round(1e6 * register_s / donors, 1),
+    }
+
+
+def _machine() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+@click.command(name="provider")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the results as JSON to this path.",
+)
+@click.option(
+    "--donors",
+    "donor_counts",
+    type=int,
+    multiple=True,
+    help="Donor counts to run (default: 1000, 10000, 100000).",
+)
+@click.option(
+    "--queries", type=int, default=QUERIES, show_default=True, help="Timed lookups per donor count."
+)
+def command(json_path: str | None, donor_counts: tuple[int, ...], queries: int) -> None:
+    """Lookup latency (p50/p99) and index bytes per donor for 4,096-token prompts of real text."""
+    counts = donor_counts or DONOR_COUNTS
+    corpus = load_corpus()
+    click.echo(f"corpus: {corpus.text.size} essay tokens; machine: {_machine()}")
+    rows = []
+    for donors in counts:
+        row = run_case(corpus, donors, queries)
+        rows.append(row)
+        click.echo(
+            f"donors={donors:>7}  p50={row['lookup_ms_p50']:.3f} ms  "
+            f"p99={row['lookup_ms_p99']:.3f} ms  bytes/donor={row['bytes_per_donor']:.0f}  "
+            f"plans={row['plans']}/{queries}  register={row['register_s']:.1f} s"
+        )
+    header = (
+        "| donors | lookup p50 ms | lookup p99 ms | max ms | repeat us | plans | mean reused |"
+        " bytes/donor (tracemalloc) | bytes/donor (accounted) | register us/donor |"
+    )
+    click.echo("\n" + header)
+    click.echo("|" + "---|" * 10)
+    for r in rows:
+        click.echo(
+            f"| {r['donors']:,} | {r['lookup_ms_p50']:.3f} | {r['lookup_ms_p99']:.3f} | "
+            f"{r['lookup_ms_max']:.3f} | {r['repeat_lookup_us']:.2f} | {r['plans']}/{r['queries']}"
+            f" | {r['mean_reused_tokens']:.0f} | {r['bytes_per_donor']:.0f} | "
+            f"{r['index_accounted_bytes_per_donor']:.0f} | {r['register_us_per_donor']:.0f} |"
+        )
+    if json_path:
+        payload = {
+            "bench": "provider",
+            "machine": _machine(),
+            "prompt_tokens": PROMPT_TOKENS,
+            "results": {str(r["donors"]): r for r in rows},
+        }
+        Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
+        click.echo(f"wrote {json_path}")

@@ -1,0 +1,216 @@
+"""Planner: aligned spans -> Decision: exact, plan (spans with position deltas) or decline.
+
+Pure functions of their arguments (no clock, no randomness, no engine calls). Gates, in order:
+prompt length (``min_prompt_tokens``), exact coverage already sufficient
+(``exact_sufficient_ratio``), then per span: start at or after the exact hit, skip ``sink_tokens``
+(recomputed at each span start), round the target start up and the end down to ``page_size``, and
+leave at least the last prompt token to compute; keep at most ``max_spans`` spans (one when
+``strict_prefix_boundary``), longest first; then ``min_reuse_tokens`` and ``min_reuse_ratio``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .align import FuzzyMatch, Span
+from .config import Config
+from .namespace import Namespace
+
+
+class Reason:
+    """Decision and outcome reasons (closed set; also the telemetry ``reason`` label values)."""
+
+    EXACT_SUFFICIENT = "exact_sufficient"
+    DISABLED = "disabled"
+    PROMPT_TOO_SHORT = "prompt_too_short"
+    NO_DONOR = "no_donor"
+    DONOR_EVICTED = "donor_evicted"
+    NO_ALIGNMENT = "no_alignment"
+    SPANS_TRIMMED_AWAY = "spans_trimmed_away"
+    REUSE_TOO_SMALL = "reuse_too_small"
+    REUSE_RATIO_LOW = "reuse_ratio_low"
+    SIMILARITY_LOW = "similarity_low"
+    NO_EMBEDDER = "no_embedder"
+    DISCOVERY_ONLY = "discovery_only"
+    COLD_FALLBACK = "cold_fallback"
+    PLANNED = "planned"
+    ENGINE_DECLINED = "engine_declined"
+    UNREPORTED = "unreported"
+    OTHER = "other"
+
+    ALL: tuple[str, ...] = (
+        EXACT_SUFFICIENT,
+        DISABLED,
+        PROMPT_TOO_SHORT,
+        NO_DONOR,
+        DONOR_EVICTED,
+        NO_ALIGNMENT,
+        SPANS_TRIMMED_AWAY,
+        REUSE_TOO_SMALL,
+        REUSE_RATIO_LOW,
+        SIMILARITY_LOW,
+        NO_EMBEDDER,
+        DISCOVERY_ONLY,
+        COLD_FALLBACK,
+        PLANNED,
+        ENGINE_DECLINED,
+        UNREPORTED,
+        OTHER,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReusePlan:
+    """What the engine materializes: for each span, donor KV at ``donor_start + x`` becomes the
+    request's KV at ``target_start + x`` (K rotated by ``span.delta``).
+
+    Spans are already trimmed (sink tokens removed, page-aligned target starts and ends, last
+    prompt token left to compute), sorted by ``target_start``, and overlap neither in the target
+    nor in the donor. ``substitutions`` (substitute mode only) lists near-identical chunk pairs
+    whose target tokens the engine may replace by the donor's. ``similarity`` is the gate value
+    (substitute mode) or None.
+    """
+
+    donor_handle: Hashable
+    donor_namespace: Namespace
+    spans: tuple[Span, ...]
+    reused_tokens: int
+    prompt_tokens: int
+    exact_len: int
+    page_size: int
+    sink_tokens: int
+    substitute: bool = False
+    substitutions: tuple[FuzzyMatch, ...] = ()
+    similarity: float | None = None
+
+    @property
+    def first_reused(self) -> int:
+        """Target position where reuse starts (the engine computes [exact_len, first_reused))."""
+        return self.spans[0].target_start
+
+    @property
+    def reuse_ratio(self) -> float:
+        """reused tokens / tokens not covered by the exact hit."""
+        return self.reused_tokens / max(1, self.prompt_tokens - self.exact_len)
+
+
+DecisionKind = Literal["exact", "plan", "decline"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Result of a lookup. ``kind``: exact (let the engine's exact path run), plan (materialize
+    ``plan``), decline (run the normal prefill; ``reason`` says why). ``evidence`` carries the plan
+    that was found but not to be materialized (discovery_only mode)."""
+
+    kind: DecisionKind
+    reason: str
+    plan: ReusePlan | None = None
+    evidence: ReusePlan | None = field(default=None, compare=True)
+
+    @staticmethod
+    def exact(reason: str = Reason.EXACT_SUFFICIENT) -> Decision:
+        """The exact route."""
+        return Decision("exact", reason)
+
+    @staticmethod
+    def decline(reason: str, evidence: ReusePlan | None = None) -> Decision:
+        """A decline with its reason."""
+        return Decision("decline", reason, None, evidence)
+
+
+def prefilter(config: Config, n_tokens: int, exact_len: int) -> Decision | None:
+    """Gates that need no donor: disabled, prompt too short, exact coverage sufficient.
+
+    Returns the Decision when one applies, else None (go on and look for a donor).
+    """
+    if not config.enabled:
+        return Decision.decline(Reason.DISABLED)
+    if n_tokens < max(config.min_prompt_tokens, 2):
+        return Decision.decline(Reason.PROMPT_TOO_SHORT)
+    if exact_len >= n_tokens or exact_len >= config.exact_sufficient_ratio * n_tokens:
+        return Decision.exact()
+    return None
+
+
+def _ceil(x: int, page: int) -> int:
+    return -(-x // page) * page
+
+
+def trim_spans(
+    spans: tuple[Span, ...],
+    *,
+    n_tokens: int,
+    exact_len: int,
+    page_size: int,
+    sink_tokens: int,
+) -> tuple[Span, ...]:
+    """Apply the per-span gates: start >= exact_len, drop ``sink_tokens`` at each span start,
+    page-align the target start (up) and end (down), end <= n_tokens - 1. Empty spans are dropped.
+    The donor side moves with the target side (same delta)."""
+    out: list[Span] = []
+    last_end = (n_tokens - 1) // page_size * page_size
+    for span in spans:
+        start = max(span.target_start, exact_len) + sink_tokens
+        start = _ceil(start, page_size)
+        end = min(span.target_end, last_end) // page_size * page_size
+        if end - start <= 0:
+            continue
+        shift = start - span.target_start
+        out.append(Span(start, span.donor_start + shift, end - start))
+    return tuple(out)
+
+
+def build_plan(
+    config: Config,
+    *,
+    spans: tuple[Span, ...],
+    n_tokens: int,
+    exact_len: int,
+    page_size: int,
+    donor_handle: Hashable,
+    donor_namespace: Namespace,
+    substitutions: tuple[FuzzyMatch, ...] = (),
+    similarity: float | None = None,
+) -> Decision:
+    """Gate aligned ``spans`` (target positions, maximal identical runs) into a plan or a decline.
+
+    Does not apply :func:`prefilter` (the caller does, first). Never returns an exact decision.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if not spans:
+        return Decision.decline(Reason.NO_ALIGNMENT)
+    trimmed = trim_spans(
+        spans,
+        n_tokens=n_tokens,
+        exact_len=exact_len,
+        page_size=page_size,
+        sink_tokens=config.sink_tokens,
+    )
+    if not trimmed:
+        return Decision.decline(Reason.SPANS_TRIMMED_AWAY)
+    limit = 1 if config.strict_prefix_boundary else config.max_spans
+    kept = sorted(trimmed, key=lambda s: (-s.length, s.target_start))[:limit]
+    kept.sort()
+    reused = sum(s.length for s in kept)
+    if reused < config.min_reuse_tokens:
+        return Decision.decline(Reason.REUSE_TOO_SMALL)
+    if reused < config.min_reuse_ratio * (n_tokens - exact_len):
+        return Decision.decline(Reason.REUSE_RATIO_LOW)
+    plan = ReusePlan(
+        donor_handle=donor_handle,
+        donor_namespace=donor_namespace,
+        spans=tuple(kept),
+        reused_tokens=reused,
+        prompt_tokens=n_tokens,
+        exact_len=exact_len,
+        page_size=page_size,
+        sink_tokens=config.sink_tokens,
+        substitute=config.mode == "substitute",
+        substitutions=substitutions,
+        similarity=similarity,
+    )
+    return Decision("plan", Reason.PLANNED, plan)

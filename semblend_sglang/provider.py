@@ -1,0 +1,375 @@
+"""SemanticProvider: the one object every engine path shares to find donors and plan reuse.
+
+Engines call :meth:`SemanticProvider.register` when a request's KV becomes a donor,
+:meth:`~SemanticProvider.lookup` when a request is matched (SGLang calls it at every scheduling
+step: the first decision per request id is cached and later calls cost a dict lookup),
+:meth:`~SemanticProvider.record_materialized` / ``record_declined`` / ``record_cold_fallback``
+after acting on a plan, :meth:`~SemanticProvider.release` when the request ends, and
+:meth:`~SemanticProvider.forget` when a donor's KV is evicted. No method raises into the engine:
+an internal error becomes a decline with reason ``cold_fallback``, is counted and logged once.
+Decisions depend only on the calls made (no clock, no randomness, no string ``hash()``), so every
+tensor-parallel rank fed the same calls decides the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .align import Anchors, Span, align, anchors_of, fuzzy_chunk_matches
+from .chunking import ChunkParams, as_token_array, chunk_tokens, token_hashes
+from .config import Config
+from .embed import WindowedEmbedder, cosine, load_embedder
+from .index import Candidate, TokenIndex
+from .namespace import Namespace
+from .plan import Decision, Reason, build_plan, prefilter
+from .telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+TokenSource = Callable[[Hashable], "Sequence[int] | np.ndarray | None"]
+"""Returns a donor's tokens from the engine, or None when its KV is gone."""
+Detokenize = Callable[[Sequence[int]], str]
+"""Turns token ids back into text (only for the embedder)."""
+
+MAX_CACHED_REQUESTS = 65536
+_EMBED_CACHE_SIZE = 1024
+
+
+def chunk_params_for(config: Config) -> ChunkParams:
+    """Content-defined chunking parameters derived from ``config.chunk_avg_tokens``."""
+    avg = config.chunk_avg_tokens
+    return ChunkParams(window=8, avg=avg, min_size=max(8, avg // 4), max_size=avg * 4)
+
+
+class SemanticProvider:
+    """Finds donors for a request and plans their reuse; shared by all engine integrations.
+
+    ``token_source``: how the provider reads a donor's tokens back from the engine (None: the index
+    keeps an int32 copy of each donor's tokens). ``registry``: prometheus registry for the
+    ``semblend_*`` series (None: the global one). ``detokenize`` and ``embedder`` serve the
+    substitute-mode similarity gate and discovery telemetry only; with embedder "minilm" and no
+    ``embedder`` given, it is loaded here (once per process) when the mode needs it.
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        token_source: TokenSource | None = None,
+        *,
+        registry: Any = None,
+        telemetry: Telemetry | None = None,
+        detokenize: Detokenize | None = None,
+        embedder: WindowedEmbedder | None = None,
+        max_cached_requests: int = MAX_CACHED_REQUESTS,
+    ) -> None:
+        self.config = config
+        self.telemetry = telemetry if telemetry is not None else Telemetry(registry)
+        self._token_source = token_source
+        self._detokenize = detokenize
+        self.index = TokenIndex(
+            chunk_params_for(config), config.max_donors, keep_tokens=token_source is None
+        )
+        self._lock = threading.Lock()
+        self._decisions: dict[Hashable, Decision] = {}
+        self._pending: dict[Hashable, Decision] = {}
+        self._max_cached = max(1, max_cached_requests)
+        self._logged: set[tuple[str, str]] = set()
+        self._embed_cache: dict[Hashable, np.ndarray] = {}
+        needs_embedder = config.embedder == "minilm" and (
+            config.mode == "substitute" or (config.discovery_only and config.embed_discovery)
+        )
+        self._embedder = embedder
+        if self._embedder is None and needs_embedder:
+            self._embedder = self._guard("embedder", lambda: load_embedder(config.embedder))
+
+    # ------------------------------------------------------------------ donors
+    def register(self, namespace: Namespace, handle: Hashable, token_ids: Sequence[int]) -> None:
+        """Make ``token_ids`` (whose KV the engine holds under ``handle``) a donor in ``namespace``.
+
+        Re-registering a handle replaces it. Donors shorter than ``min_span_tokens`` are not kept.
+        May evict the least recently used donors. Never raises."""
+
+        def work() -> None:
+            if not self.config.enabled:
+                return
+            tokens = as_token_array(token_ids)
+            if tokens.size < self.config.min_span_tokens:
+                return
+            for gone in self.index.register(namespace, handle, tokens):
+                self._embed_cache.pop(gone, None)
+            self.telemetry.set_donors(len(self.index))
+
+        self._guard("register", work)
+
+    def forget(self, handle: Hashable) -> None:
+        """Drop donor ``handle`` (its KV is gone). Unknown handles are ignored. Never raises."""
+
+        def work() -> None:
+            self.index.forget(handle)
+            self._embed_cache.pop(handle, None)
+            self.telemetry.set_donors(len(self.index))
+
+        self._guard("forget", work)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(
+        self,
+        namespace: Namespace,
+        token_ids: Sequence[int],
+        exact_len: int,
+        request_id: Hashable | None,
+        *,
+        page_size: int = 1,
+    ) -> Decision:
+        """Decide how request ``request_id`` (prompt ``token_ids``, exact prefix hit ``exact_len``
+        from the engine's own cache) should prefill: exact, plan or decline.
+
+        The first decision for a request id is cached until :meth:`release`; later calls return it
+        at the cost of a dict lookup (``request_id=None`` disables caching). ``page_size`` is the
+        engine's KV page size (plans are page-aligned on the target side). exact and decline
+        decisions record the request's outcome at once; a plan's outcome is recorded when the
+        engine reports it. Never raises: errors give ``Decision("decline", "cold_fallback")``.
+        """
+        if request_id is not None:
+            cached = self._decisions.get(request_id)
+            if cached is not None:
+                return cached
+        started = time.perf_counter()
+        try:
+            decision = self._decide(namespace, token_ids, exact_len, page_size)
+        except Exception as exc:
+            self._log_once("lookup", exc)
+            self.telemetry.record_error("lookup")
+            decision = Decision.decline(Reason.COLD_FALLBACK)
+        self.telemetry.observe_lookup(time.perf_counter() - started)
+        if request_id is None:
+            self._record_final(decision)
+            return decision
+        with self._lock:
+            cached = self._decisions.get(request_id)
+            if cached is not None:
+                return cached
+            self._decisions[request_id] = decision
+            if decision.kind == "plan":
+                self._pending[request_id] = decision
+            while len(self._decisions) > self._max_cached:
+                oldest = next(iter(self._decisions))
+                del self._decisions[oldest]
+                if self._pending.pop(oldest, None) is not None:
+                    self.telemetry.record_outcome("declined", reason=Reason.UNREPORTED)
+        if decision.kind != "plan":
+            self._record_final(decision)
+        return decision
+
+    def release(self, request_id: Hashable) -> None:
+        """Forget the cached decision of a finished request. A plan whose outcome the engine did
+        not report is counted as declined (``unreported``). Never raises."""
+        with self._lock:
+            self._decisions.pop(request_id, None)
+            pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self.telemetry.record_outcome("declined", reason=Reason.UNREPORTED)
+
+    # ------------------------------------------------------------------ outcomes
+    def record_materialized(self, request_id: Hashable, reused_tokens: int) -> bool:
+        """The engine materialized ``reused_tokens`` donor tokens for the request's plan.
+        Returns False (and records nothing) when the request has no pending plan."""
+        return self._settle(request_id, "materialized", None, reused_tokens)
+
+    def record_declined(self, request_id: Hashable, reason: str = Reason.ENGINE_DECLINED) -> bool:
+        """The engine did not use the request's plan (``reason``, e.g. capacity or stale donor).
+        Returns False when the request has no pending plan."""
+        return self._settle(request_id, "declined", reason, 0)
+
+    def record_cold_fallback(self, request_id: Hashable, where: str = "engine") -> bool:
+        """Materializing the request's plan failed; the engine fell back to a normal prefill.
+        Returns False when the request has no pending plan."""
+        settled = self._settle(request_id, "cold_fallback", None, 0)
+        if settled:
+            self.telemetry.record_error(where)
+        return settled
+
+    def snapshot(self) -> dict[str, Any]:
+        """Telemetry snapshot plus index statistics and the number of pending plans."""
+        snap = self.telemetry.snapshot()
+        snap["index"] = self.index.stats()
+        with self._lock:
+            snap["pending_plans"] = len(self._pending)
+            snap["cached_decisions"] = len(self._decisions)
+        return snap
+
+    # ------------------------------------------------------------------ internals
+    def _settle(self, request_id: Hashable, outcome: str, reason: str | None, reused: int) -> bool:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return False
+        self.telemetry.record_outcome(outcome, reason=reason, reused=reused)
+        return True
+
+    def _record_final(self, decision: Decision) -> None:
+        if decision.kind == "exact":
+            self.telemetry.record_outcome("exact")
+        elif decision.reason == Reason.DISCOVERY_ONLY:
+            self.telemetry.record_outcome("discovery_only")
+        elif decision.reason == Reason.COLD_FALLBACK:
+            self.telemetry.record_outcome("cold_fallback")
+        else:
+            self.telemetry.record_outcome("declined", reason=decision.reason)
+
+    def _decide(
+        self, namespace: Namespace, token_ids: Sequence[int], exact_len: int, page_size: int
+    ) -> Decision:
+        config = self.config
+        tokens = as_token_array(token_ids)
+        n = int(tokens.size)
+        exact_len = min(max(int(exact_len), 0), n)
+        early = prefilter(config, n, exact_len)
+        if early is not None:
+            return early
+        region = tokens[exact_len:]
+        region_hashes = token_hashes(region)
+        query = chunk_tokens(region, self.index.params, region_hashes)
+        candidates = self.index.candidates(
+            namespace,
+            query,
+            limit=config.max_candidates,
+            min_shared_tokens=config.min_candidate_tokens,
+        )
+        if not candidates:
+            return Decision.decline(Reason.NO_DONOR)
+        first_decline: Decision | None = None
+        anchors = anchors_of(region, config.min_span_tokens, region_hashes)
+        for cand in candidates:
+            donor = self._donor_tokens(cand)
+            if donor is None:
+                if first_decline is None:
+                    first_decline = Decision.decline(Reason.DONOR_EVICTED)
+                continue
+            decision = self._plan_for(tokens, region, anchors, exact_len, page_size, cand, donor)
+            if decision.kind == "plan":
+                if config.discovery_only:
+                    return Decision.decline(Reason.DISCOVERY_ONLY, evidence=decision.plan)
+                self.index.touch(cand.handle)
+                return decision
+            if first_decline is None or first_decline.reason == Reason.DONOR_EVICTED:
+                first_decline = decision
+        assert first_decline is not None
+        return first_decline
+
+    def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
+        if cand.tokens is not None:
+            return cand.tokens
+        if self._token_source is None:
+            return None
+        got = self._token_source(cand.handle)
+        if got is None:
+            self.index.forget(cand.handle)
+            self._embed_cache.pop(cand.handle, None)
+            self.telemetry.set_donors(len(self.index))
+            return None
+        return as_token_array(got)
+
+    def _plan_for(
+        self,
+        tokens: np.ndarray,
+        region: np.ndarray,
+        anchors: Anchors,
+        exact_len: int,
+        page_size: int,
+        cand: Candidate,
+        donor: np.ndarray,
+    ) -> Decision:
+        config = self.config
+        found = align(region, donor, min_length=config.min_span_tokens, target_anchors=anchors)
+        spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
+        similarity: float | None = None
+        substitutions: tuple = ()
+        if config.mode == "substitute":
+            if config.embedder == "jaccard":
+                similarity = cand.sketch_similarity
+            elif config.embedder == "minilm":
+                similarity = self._embedding_similarity(tokens, cand.handle, donor)
+                if similarity is None:
+                    return Decision.decline(Reason.NO_EMBEDDER)
+            if similarity is not None and similarity < config.min_similarity:
+                return Decision.decline(Reason.SIMILARITY_LOW)
+            if config.fuzzy_chunks:
+                params = self.index.params
+                substitutions = tuple(
+                    type(m)(
+                        m.target_start + exact_len,
+                        m.target_end + exact_len,
+                        m.donor_start,
+                        m.donor_end,
+                        m.similarity,
+                    )
+                    for m in fuzzy_chunk_matches(
+                        region,
+                        donor,
+                        chunk_tokens(region, params),
+                        chunk_tokens(donor, params),
+                        threshold=config.fuzzy_threshold,
+                        exclude=found,
+                    )
+                )
+        elif config.discovery_only and config.embed_discovery:
+            similarity = self._embedding_similarity(tokens, cand.handle, donor)
+            if similarity is not None:
+                self.telemetry.observe_similarity(similarity)
+        return build_plan(
+            config,
+            spans=spans,
+            n_tokens=int(tokens.size),
+            exact_len=exact_len,
+            page_size=page_size,
+            donor_handle=cand.handle,
+            donor_namespace=cand.namespace,
+            substitutions=substitutions,
+            similarity=similarity,
+        )
+
+    def _embedding_similarity(
+        self, tokens: np.ndarray, handle: Hashable, donor: np.ndarray
+    ) -> float | None:
+        if self._embedder is None or self._detokenize is None:
+            return None
+        query_vec = self._embedder.embed(self._detokenize(tokens.tolist()))
+        with self._lock:
+            donor_vec = self._embed_cache.get(handle)
+        if donor_vec is None:
+            donor_vec = self._embedder.embed(self._detokenize(donor.tolist()))
+            with self._lock:
+                while len(self._embed_cache) >= _EMBED_CACHE_SIZE:
+                    self._embed_cache.pop(next(iter(self._embed_cache)))
+                self._embed_cache[handle] = donor_vec
+        return cosine(query_vec, donor_vec)
+
+    def _guard(self, where: str, work: Callable[[], Any]) -> Any:
+        try:
+            return work()
+        except Exception as exc:
+            self._log_once(where, exc)
+            self.telemetry.record_error(where)
+            return None
+
+    def _log_once(self, where: str, exc: BaseException) -> None:
+        key = (where, type(exc).__name__)
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        logger.warning(
+            "semblend %s failed (%s: %s); falling back",
+            where,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )

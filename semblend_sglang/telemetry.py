@@ -1,0 +1,172 @@
+"""Telemetry: exactly one outcome per request, as ``semblend_*`` Prometheus series and a snapshot.
+
+Outcomes: exact, discovery_only, materialized (with reused tokens), declined (with a reason from
+:class:`semblend_sglang.plan.Reason`), cold_fallback. Also a lookup-latency histogram, a donor
+gauge and error counts. The provider is the only caller of the ``record_*`` methods; it enforces
+"one outcome per request". Latency is measured for reporting only and never feeds a decision.
+Works without prometheus_client (the snapshot still counts).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .plan import Reason
+
+OUTCOMES = ("exact", "discovery_only", "materialized", "declined", "cold_fallback")
+
+SERIES = {
+    "requests": "semblend_requests_total",
+    "declined": "semblend_declined_total",
+    "reused_tokens": "semblend_reused_tokens_total",
+    "lookup_seconds": "semblend_lookup_seconds",
+    "donors": "semblend_donors",
+    "errors": "semblend_errors_total",
+    "similarity": "semblend_discovery_similarity",
+}
+"""Prometheus series names (counters are exposed with the ``_total`` suffix shown)."""
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
+
+_shared_lock = threading.Lock()
+_shared_metrics: dict[int, dict[str, Any]] = {}
+
+
+def _metrics_for(registry: Any) -> dict[str, Any] | None:
+    """The semblend collectors registered on ``registry`` (created once per registry)."""
+    try:
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    except ImportError:
+        return None
+    reg = REGISTRY if registry is None else registry
+    with _shared_lock:
+        found = _shared_metrics.get(id(reg))
+        if found is not None and found["registry"] is reg:
+            return found
+        metrics = {
+            "registry": reg,
+            "requests": Counter(
+                "semblend_requests",
+                "Requests by outcome (exactly one outcome per request).",
+                ["outcome"],
+                registry=reg,
+            ),
+            "declined": Counter(
+                "semblend_declined",
+                "Declined requests by reason.",
+                ["reason"],
+                registry=reg,
+            ),
+            "reused_tokens": Counter(
+                "semblend_reused_tokens",
+                "Prompt tokens whose KV was materialized from a donor.",
+                registry=reg,
+            ),
+            "lookup_seconds": Histogram(
+                "semblend_lookup_seconds",
+                "Provider lookup latency (first lookup of a request).",
+                buckets=_LATENCY_BUCKETS,
+                registry=reg,
+            ),
+            "donors": Gauge("semblend_donors", "Donors in the index.", registry=reg),
+            "errors": Counter(
+                "semblend_errors",
+                "Internal errors turned into cold fallbacks, by where they happened.",
+                ["where"],
+                registry=reg,
+            ),
+            "similarity": Histogram(
+                "semblend_discovery_similarity",
+                "Embedding similarity of the best donor (discovery/substitute).",
+                buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+                registry=reg,
+            ),
+        }
+        _shared_metrics[id(reg)] = metrics
+        return metrics
+
+
+class Telemetry:
+    """Counts outcomes for one provider; exports them on a prometheus registry.
+
+    ``registry``: a ``prometheus_client.CollectorRegistry`` (None: the global default registry).
+    Several Telemetry objects on one registry share its series; each keeps its own snapshot.
+    Thread-safe.
+    """
+
+    def __init__(self, registry: Any = None) -> None:
+        self._metrics = _metrics_for(registry)
+        self._lock = threading.Lock()
+        self._outcomes = dict.fromkeys(OUTCOMES, 0)
+        self._declined: dict[str, int] = {}
+        self._errors: dict[str, int] = {}
+        self._reused_tokens = 0
+        self._lookups = 0
+        self._lookup_seconds = 0.0
+        self._donors = 0
+
+    def record_outcome(self, outcome: str, *, reason: str | None = None, reused: int = 0) -> None:
+        """Count one request's outcome. ``reason`` (declined only) outside :attr:`Reason.ALL`
+        is counted as ``other``; ``reused`` (materialized only) adds to the reused tokens."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
+        label = None
+        if outcome == "declined":
+            label = reason if reason in Reason.ALL else Reason.OTHER
+        with self._lock:
+            self._outcomes[outcome] += 1
+            if label is not None:
+                self._declined[label] = self._declined.get(label, 0) + 1
+            if outcome == "materialized":
+                self._reused_tokens += int(reused)
+        if self._metrics is not None:
+            self._metrics["requests"].labels(outcome=outcome).inc()
+            if label is not None:
+                self._metrics["declined"].labels(reason=label).inc()
+            if outcome == "materialized" and reused:
+                self._metrics["reused_tokens"].inc(int(reused))
+
+    def observe_lookup(self, seconds: float) -> None:
+        """Record one (uncached) lookup's latency."""
+        with self._lock:
+            self._lookups += 1
+            self._lookup_seconds += seconds
+        if self._metrics is not None:
+            self._metrics["lookup_seconds"].observe(seconds)
+
+    def observe_similarity(self, value: float) -> None:
+        """Record the embedding similarity of a discovered donor."""
+        if self._metrics is not None:
+            self._metrics["similarity"].observe(value)
+
+    def record_error(self, where: str) -> None:
+        """Count an internal error (the request itself gets a cold_fallback outcome)."""
+        with self._lock:
+            self._errors[where] = self._errors.get(where, 0) + 1
+        if self._metrics is not None:
+            self._metrics["errors"].labels(where=where).inc()
+
+    def set_donors(self, count: int) -> None:
+        """Set the donor gauge."""
+        with self._lock:
+            self._donors = count
+        if self._metrics is not None:
+            self._metrics["donors"].set(count)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-dict copy of this object's counts: outcomes, declined reasons, reused tokens,
+        lookups, mean lookup milliseconds, donors, errors."""
+        with self._lock:
+            return {
+                "outcomes": dict(self._outcomes),
+                "declined": dict(sorted(self._declined.items())),
+                "reused_tokens": self._reused_tokens,
+                "requests": sum(self._outcomes.values()),
+                "lookups": self._lookups,
+                "lookup_ms_mean": (1000.0 * self._lookup_seconds / self._lookups)
+                if self._lookups
+                else 0.0,
+                "donors": self._donors,
+                "errors": dict(sorted(self._errors.items())),
+            }

@@ -1,0 +1,189 @@
+"""Alignment: equals a brute-force oracle; finds any shift and any number of reordered passages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from semblend_sglang.align import (
+    UNBOUNDED,
+    AlignLimits,
+    Span,
+    align,
+    anchors_of,
+    fuzzy_chunk_matches,
+)
+from semblend_sglang.chunking import ChunkParams, chunk_tokens
+
+
+def brute_force(target: list[int], donor: list[int], min_length: int) -> tuple[Span, ...]:
+    """The definition: repeatedly take the longest unused identical run (ties: smallest target
+    start, then smallest donor start) until none of at least min_length is left."""
+    t_used = [False] * len(target)
+    d_used = [False] * len(donor)
+    spans = []
+    while True:
+        best = None
+        for i in range(len(target)):
+            for j in range(len(donor)):
+                length = 0
+                while (
+                    i + length < len(target)
+                    and j + length < len(donor)
+                    and not t_used[i + length]
+                    and not d_used[j + length]
+                    and target[i + length] == donor[j + length]
+                ):
+                    length += 1
+                if length >= min_length and (best is None or (-length, i, j) < best):
+                    best = (-length, i, j)
+        if best is None:
+            return tuple(sorted(spans))
+        length, i, j = -best[0], best[1], best[2]
+        spans.append(Span(i, j, length))
+        for x in range(length):
+            t_used[i + x] = True
+            d_used[j + x] = True
+
+
+@st.composite
+def sequence_pairs(draw: Any) -> tuple[list[int], list[int], int]:
+    alphabet = draw(st.integers(1, 5))
+    tokens = st.integers(0, alphabet - 1)
+    target = draw(st.lists(tokens, max_size=36))
+    donor = draw(st.lists(tokens, max_size=36))
+    if target and draw(st.booleans()):  # plant shared pieces of the target in the donor
+        a = draw(st.integers(0, len(target) - 1))
+        b = draw(st.integers(a, len(target)))
+        at = draw(st.integers(0, len(donor)))
+        donor = donor[:at] + target[a:b] + donor[at:]
+    return target, donor, draw(st.integers(1, 6))
+
+
+@settings(max_examples=400, deadline=None)
+@given(sequence_pairs())
+def test_align_equals_brute_force_oracle(case: tuple[list[int], list[int], int]) -> None:
+    target, donor, min_length = case
+    got = align(
+        np.asarray(target, dtype=np.int64),
+        np.asarray(donor, dtype=np.int64),
+        min_length=min_length,
+        limits=UNBOUNDED,
+    )
+    assert got == brute_force(target, donor, min_length)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequence_pairs())
+def test_spans_are_identical_and_disjoint(case: tuple[list[int], list[int], int]) -> None:
+    target, donor, min_length = case
+    t = np.asarray(target, dtype=np.int64)
+    d = np.asarray(donor, dtype=np.int64)
+    spans = align(t, d, min_length=min_length)  # default limits
+    t_cover = np.zeros(t.size, dtype=int)
+    d_cover = np.zeros(d.size, dtype=int)
+    for s in spans:
+        assert s.length >= min_length
+        assert np.array_equal(t[s.target_start : s.target_end], d[s.donor_start : s.donor_end])
+        t_cover[s.target_start : s.target_end] += 1
+        d_cover[s.donor_start : s.donor_end] += 1
+    assert t_cover.max(initial=0) <= 1
+    assert d_cover.max(initial=0) <= 1
+
+
+def test_precomputed_target_anchors_give_the_same_result(essay_ids: np.ndarray) -> None:
+    target = essay_ids[:3000]
+    donor = np.concatenate([essay_ids[5000:5100], essay_ids[1000:2500]])
+    anchors = anchors_of(target, 32)
+    assert align(target, donor, target_anchors=anchors) == align(target, donor)
+    assert align(target, donor) == (Span(1000, 100, 1500),)
+
+
+@pytest.fixture(scope="module")
+def essay_ids(smollm2_tokenizer: Any, essay_texts: list[str]) -> np.ndarray:
+    """Token ids of the 49 real essays, concatenated (about 154K tokens)."""
+    ids = [smollm2_tokenizer(t, add_special_tokens=False)["input_ids"] for t in essay_texts]
+    return np.asarray([tok for part in ids for tok in part], dtype=np.int64)
+
+
+@pytest.mark.parametrize("shift", [1, 2, 7, 31, 64, 333, 1000, 2049, 4096, 4999, 5000])
+def test_shifted_context_is_found_at_any_shift(essay_ids: np.ndarray, shift: int) -> None:
+    passage = essay_ids[:3000]
+    other = essay_ids[20000 : 20000 + shift]  # text from a different essay in front
+    target = np.concatenate([other, passage])
+    spans = align(target, passage, min_length=32)
+    longest = max(spans, key=lambda s: s.length)
+    assert longest == Span(shift, 0, 3000)
+    assert longest.delta == shift
+
+
+def test_reordered_passages_give_one_span_per_passage(essay_ids: np.ndarray) -> None:
+    cuts = [0, 700, 1100, 1900, 2300, 3100, 3600]
+    starts = [4000, 9000, 14000, 19000, 24000, 29000]
+    passages = [essay_ids[s : s + (cuts[i + 1] - cuts[i])] for i, s in enumerate(starts)]
+    donor = np.concatenate(passages)
+    donor_pos = np.cumsum([0] + [p.size for p in passages])[:-1]
+    order = [3, 0, 5, 2, 4, 1]
+    header = essay_ids[40000:40120]
+    target = np.concatenate([header] + [passages[k] for k in order])
+    target_pos = {}
+    at = header.size
+    for k in order:
+        target_pos[k] = at
+        at += passages[k].size
+    spans = align(target, donor, min_length=32)
+    assert len(spans) == len(passages)
+    for k, passage in enumerate(passages):
+        (span,) = [s for s in spans if s.delta == target_pos[k] - donor_pos[k]]
+        assert span.target_start <= target_pos[k]
+        assert span.target_end >= target_pos[k] + passage.size
+        assert span.length <= passage.size + 2  # at most a boundary token coincides
+
+
+def test_no_span_between_unrelated_texts(essay_ids: np.ndarray) -> None:
+    assert align(essay_ids[:2000], essay_ids[30000:32000], min_length=32) == ()
+
+
+def test_repetitive_input_is_bounded_and_still_exact() -> None:
+    target = np.zeros(3000, dtype=np.int64)
+    donor = np.zeros(2000, dtype=np.int64)
+    limits = AlignLimits(max_anchor_pairs=10000, max_diagonals=8)
+    spans = align(target, donor, min_length=32, limits=limits)
+    assert spans, "a run of one repeated token is still aligned"
+    for s in spans:
+        assert np.array_equal(
+            target[s.target_start : s.target_end], donor[s.donor_start : s.donor_end]
+        )
+    assert max(s.length for s in spans) == 2000
+
+
+def test_span_geometry() -> None:
+    span = Span(target_start=130, donor_start=30, length=50)
+    assert span.delta == 100
+    assert span.target_end == 180
+    assert span.donor_end == 80
+
+
+def test_fuzzy_chunks_pair_near_identical_chunks_only(essay_ids: np.ndarray) -> None:
+    params = ChunkParams()
+    passage = essay_ids[6000:6800].copy()
+    edited = passage.copy()
+    edited[::40] = essay_ids[50000 : 50000 + edited[::40].size]  # change every 40th token
+    unrelated = essay_ids[45000:45800]
+    target = np.concatenate([edited, unrelated])
+    matches = fuzzy_chunk_matches(
+        target,
+        passage,
+        chunk_tokens(target, params),
+        chunk_tokens(passage, params),
+        threshold=0.8,
+    )
+    assert matches, "edited chunks are paired"
+    for m in matches:
+        assert m.similarity >= 0.8
+        assert m.target_end <= edited.size  # nothing from the unrelated text
+    assert sum(m.target_end - m.target_start for m in matches) > edited.size // 2

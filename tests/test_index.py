@@ -1,0 +1,171 @@
+"""Token index: shift-invariant chunks, ranking, LRU bound, compaction, memory per donor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from semblend_sglang.chunking import (
+    ChunkParams,
+    as_token_array,
+    chunk_tokens,
+    kgram_hashes,
+    token_hashes,
+)
+from semblend_sglang.index import TokenIndex, sketch_similarity
+from semblend_sglang.namespace import Namespace
+
+NS = Namespace("SmolLM2-135M-Instruct", "fp")
+PARAMS = ChunkParams()
+
+
+@pytest.fixture(scope="module")
+def essay_ids(smollm2_tokenizer: Any, essay_texts: list[str]) -> np.ndarray:
+    """Token ids of the 49 real essays, concatenated."""
+    ids = [smollm2_tokenizer(t, add_special_tokens=False)["input_ids"] for t in essay_texts]
+    return np.asarray([tok for part in ids for tok in part], dtype=np.int64)
+
+
+@pytest.mark.parametrize("shift", [1, 5, 64, 999, 5000])
+def test_same_text_at_another_offset_gives_the_same_chunks(
+    essay_ids: np.ndarray, shift: int
+) -> None:
+    text = essay_ids[10000:14096]
+    shifted = np.concatenate([essay_ids[60000 : 60000 + shift], text])
+    a = chunk_tokens(text, PARAMS)
+    b = chunk_tokens(shifted, PARAMS)
+    # after the first content boundary inside `text`, chunks coincide exactly
+    a_set = {(int(s), int(h)) for s, h in zip(a.starts[1:], a.hashes[1:], strict=True)}
+    b_set = {(int(s) - shift, int(h)) for s, h in zip(b.starts, b.hashes, strict=True) if s > shift}
+    assert len(a_set & b_set) >= len(a_set) - 1
+    assert len(a) >= 4096 // PARAMS.max_size
+    assert int(a.lengths.sum()) == text.size
+    assert a.lengths.max() <= PARAMS.max_size
+
+
+def test_chunk_hashes_depend_only_on_content(essay_ids: np.ndarray) -> None:
+    text = essay_ids[20000:21000]
+    first = chunk_tokens(text, PARAMS)
+    again = chunk_tokens(as_token_array(text.tolist()), PARAMS)
+    assert np.array_equal(first.hashes, again.hashes)
+    edited = text.copy()
+    edited[500] += 1
+    changed = chunk_tokens(edited, PARAMS)
+    assert not np.array_equal(first.hashes, changed.hashes)
+
+
+def test_hashes_are_the_same_in_another_process(essay_ids: np.ndarray, tmp_path: Any) -> None:
+    text = essay_ids[30000:34096]
+    np.save(tmp_path / "t.npy", text)
+    code = (
+        "import sys, numpy as np;"
+        "from semblend_sglang.chunking import ChunkParams, chunk_tokens;"
+        f"c = chunk_tokens(np.load(r'{tmp_path / 't.npy'}'), ChunkParams());"
+        "print(','.join(str(int(h)) for h in c.hashes))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="4242")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    mine = ",".join(str(int(h)) for h in chunk_tokens(text, PARAMS).hashes)
+    assert out.stdout.strip() == mine
+
+
+def test_kgram_hashes_match_direct_computation() -> None:
+    tokens = np.asarray([5, 9, 5, 9, 5, 1, 2, 3, 5, 9, 5], dtype=np.int64)
+    kh = kgram_hashes(token_hashes(tokens), 3)
+    assert kh.size == tokens.size - 2
+    for i in range(kh.size):
+        for j in range(kh.size):
+            same = tokens[i : i + 3].tolist() == tokens[j : j + 3].tolist()
+            assert (kh[i] == kh[j]) == same
+
+
+def test_probe_finds_the_donor_sharing_most_tokens(essay_ids: np.ndarray) -> None:
+    index = TokenIndex(PARAMS, 100, keep_tokens=False)
+    index.register(NS, "small-overlap", essay_ids[5000:9096])  # shares 1096 query tokens
+    index.register(NS, "big-overlap", essay_ids[7500:11596])  # shares 3596
+    index.register(NS, "unrelated", essay_ids[80000:84096])
+    query = np.concatenate([essay_ids[90000:90030], essay_ids[8000:12066]])
+    found = index.candidates(NS, chunk_tokens(query, PARAMS), limit=3, min_shared_tokens=64)
+    assert [c.handle for c in found] == ["big-overlap", "small-overlap"]
+    assert found[0].shared_tokens > found[1].shared_tokens
+    assert 3000 <= found[0].shared_tokens <= 3596
+    assert found[0].tokens is None  # the engine gives tokens back; the index keeps none
+    other_ns = Namespace("SmolLM2-135M-Instruct", "other-fp")
+    assert (
+        index.candidates(other_ns, chunk_tokens(query, PARAMS), limit=3, min_shared_tokens=1) == []
+    )
+
+
+def test_lru_bound_holds_and_use_refreshes(essay_ids: np.ndarray) -> None:
+    index = TokenIndex(PARAMS, 5, keep_tokens=True)
+    evicted: list[Any] = []
+    for h in range(12):
+        evicted += index.register(NS, h, essay_ids[h * 1000 : h * 1000 + 600])
+        assert len(index) <= 5
+    assert evicted == list(range(7))
+    assert index.handles() == [7, 8, 9, 10, 11]
+    index.touch(7)
+    assert index.register(NS, 12, essay_ids[12000:12600]) == [8]
+    assert index.handles() == [9, 10, 11, 7, 12]
+    query = chunk_tokens(essay_ids[8000:8600], PARAMS)  # donor 8's text: evicted
+    assert all(c.handle != 8 for c in index.candidates(NS, query, limit=5, min_shared_tokens=1))
+    index.register(NS, 9, essay_ids[30000:30600])  # re-registering a handle replaces it
+    assert len(index) == 5 and index.handles()[-1] == 9
+
+
+def test_forget_compaction_and_renumbering_keep_live_donors(essay_ids: np.ndarray) -> None:
+    index = TokenIndex(PARAMS, 100000, keep_tokens=False)
+    keep = {}
+    for h in range(18000):
+        start = (h * 37) % 150000
+        index.register(NS, h, essay_ids[start : start + 96])
+        if h % 1000 == 999:
+            keep[h] = start
+        else:
+            index.forget(h)
+    stats = index.stats()
+    assert stats["donors"] == len(keep) == 18
+    assert stats["next_id"] < 18000  # ids were renumbered
+    assert stats["postings"] <= 2 * max(stats["live_postings"], 4096)  # dead postings dropped
+    for h, start in keep.items():
+        query = chunk_tokens(essay_ids[start : start + 96], PARAMS)
+        found = index.candidates(NS, query, limit=30, min_shared_tokens=1)
+        assert h in [c.handle for c in found]
+        assert all(c.handle in keep for c in found)
+    assert index.forget(12345) is False
+
+
+def test_memory_per_donor_is_o_chunks(essay_ids: np.ndarray) -> None:
+    index = TokenIndex(PARAMS, 1000, keep_tokens=False)
+    donors = 300
+    for h in range(donors):
+        start = (h * 401) % (essay_ids.size - 4096)
+        index.register(NS, h, essay_ids[start : start + 4096])
+    per_donor = index.nbytes() / donors
+    stats = index.stats()
+    assert stats["live_postings"] / donors <= 4096 / PARAMS.min_size
+    assert per_donor < 2048, per_donor  # hashes and a handle, not 16 KB of tokens
+    copying = TokenIndex(PARAMS, 1000, keep_tokens=True)
+    copying.register(NS, "x", essay_ids[:4096])
+    assert copying.nbytes() >= 4096 * 4
+
+
+def test_sketch_similarity_orders_overlap(essay_ids: np.ndarray) -> None:
+    from semblend_sglang.index import salted_keys, sketch_of
+
+    def sketch(tokens: np.ndarray) -> bytes:
+        return sketch_of(np.unique(salted_keys(chunk_tokens(tokens, PARAMS), NS)))
+
+    a = sketch(essay_ids[0:4096])
+    assert sketch_similarity(a, a) == 1.0
+    near = sketch_similarity(a, sketch(essay_ids[200:4296]))
+    far = sketch_similarity(a, sketch(essay_ids[50000:54096]))
+    assert near > far
+    assert far <= 0.1

@@ -1,0 +1,282 @@
+"""SemanticProvider on real essays: shifts, reordering, determinism, caching, failures, threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from semblend_sglang.config import Config
+from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import Decision
+from semblend_sglang.provider import SemanticProvider
+
+NS = Namespace("SmolLM2-135M-Instruct", "fp")
+
+
+@pytest.fixture(scope="module")
+def essay_ids(smollm2_tokenizer: Any, essay_texts: list[str]) -> np.ndarray:
+    """Token ids of the 49 real essays, concatenated."""
+    ids = [smollm2_tokenizer(t, add_special_tokens=False)["input_ids"] for t in essay_texts]
+    return np.asarray([tok for part in ids for tok in part], dtype=np.int64)
+
+
+def new_provider(config: Config | None = None, **kwargs: Any) -> SemanticProvider:
+    return SemanticProvider(config or Config(), registry=CollectorRegistry(), **kwargs)
+
+
+@pytest.mark.parametrize("with_source", [False, True])
+@pytest.mark.parametrize("shift", [1, 3, 17, 64, 250, 1000, 2500, 4000, 5000])
+def test_shifted_context_is_reused(essay_ids: np.ndarray, shift: int, with_source: bool) -> None:
+    donors = {f"d{i}": essay_ids[i * 5000 : i * 5000 + 3000] for i in range(6)}
+    source = donors.get if with_source else None
+    provider = new_provider(token_source=source)
+    for handle, tokens in donors.items():
+        provider.register(NS, handle, tokens)
+    target = np.concatenate([essay_ids[100000 : 100000 + shift], donors["d3"]])
+    decision = provider.lookup(NS, target, 0, "req", page_size=16)
+    assert decision.kind == "plan", decision.reason
+    plan = decision.plan
+    assert plan is not None and plan.donor_handle == "d3"
+    (span,) = plan.spans
+    assert span.delta == shift
+    assert span.target_start >= shift + 4 and span.target_start % 16 == 0
+    assert span.target_end <= target.size - 1
+    assert plan.reused_tokens >= 3000 - 4 - 2 * 16
+    assert np.array_equal(
+        target[span.target_start : span.target_end], donors["d3"][span.donor_start : span.donor_end]
+    )
+
+
+def test_reordered_passages_are_all_reused(essay_ids: np.ndarray) -> None:
+    passages = [essay_ids[s : s + 500] for s in (3000, 13000, 23000, 33000, 43000, 53000)]
+    donor = np.concatenate(passages)
+    target = np.concatenate([essay_ids[70000:70040]] + [passages[k] for k in (4, 1, 5, 0, 3, 2)])
+    config = Config(strict_prefix_boundary=False, max_spans=8, sink_tokens=0)
+    provider = new_provider(config)
+    provider.register(NS, "rag", donor)
+    decision = provider.lookup(NS, target, 0, "q")
+    assert decision.plan is not None
+    assert len(decision.plan.spans) == 6
+    assert decision.plan.reused_tokens >= 6 * 500 - 1  # the last token is left to compute
+    # strict_prefix_boundary (the default) plans one region: 500 of 3,040 tokens is too little
+    strict = new_provider(Config(sink_tokens=0))
+    strict.register(NS, "rag", donor)
+    assert strict.lookup(NS, target, 0, "q").reason == "reuse_ratio_low"
+    lenient = new_provider(Config(sink_tokens=0, min_reuse_ratio=0.1))
+    lenient.register(NS, "rag", donor)
+    one = lenient.lookup(NS, target, 0, "q")
+    assert one.plan is not None and len(one.plan.spans) == 1
+
+
+def test_exact_len_is_respected(essay_ids: np.ndarray) -> None:
+    provider = new_provider()
+    provider.register(NS, "d", essay_ids[:3000])
+    decision = provider.lookup(NS, essay_ids[:2000], 512, "q")
+    assert decision.plan is not None
+    assert decision.plan.exact_len == 512
+    assert decision.plan.spans[0].target_start >= 512 + 4
+    assert decision.plan.spans[0].delta == 0
+
+
+def test_repeated_lookup_is_cached_until_release(essay_ids: np.ndarray) -> None:
+    calls = []
+
+    def source(handle: Any) -> np.ndarray:
+        calls.append(handle)
+        return essay_ids[:3000]
+
+    provider = new_provider(token_source=source)
+    provider.register(NS, "d", essay_ids[:3000])
+    target = np.concatenate([essay_ids[9000:9100], essay_ids[:3000]])
+    first = provider.lookup(NS, target, 0, "q")
+    for _ in range(50):
+        assert provider.lookup(NS, target, 0, "q") is first
+    assert calls == ["d"]
+    assert provider.snapshot()["lookups"] == 1
+    provider.release("q")
+    assert provider.lookup(NS, target, 0, "q") == first
+    assert calls == ["d", "d"]
+
+
+def test_evicted_donor_is_forgotten_and_the_next_candidate_used(essay_ids: np.ndarray) -> None:
+    store = {"newer": essay_ids[:3000], "older": essay_ids[:3000].copy()}
+    provider = new_provider(token_source=store.get)
+    provider.register(NS, "older", store["older"])
+    provider.register(NS, "newer", store["newer"])
+    del store["newer"]  # the engine evicted it
+    target = np.concatenate([essay_ids[9000:9100], essay_ids[:3000]])
+    decision = provider.lookup(NS, target, 0, "q")
+    assert decision.plan is not None and decision.plan.donor_handle == "older"
+    assert "newer" not in provider.index
+    del store["older"]
+    assert provider.lookup(NS, target, 0, "q2").reason == "donor_evicted"
+    assert len(provider.index) == 0
+
+
+def test_errors_never_reach_the_caller(essay_ids: np.ndarray) -> None:
+    provider = new_provider()
+    provider.register(NS, "bad", np.zeros((3, 3), dtype=np.int64))  # 2-D: rejected, counted
+    provider.register(NS, "neg", [-1] * 100)
+    assert provider.lookup(NS, [-5] * 400, 0, "q1").reason == "cold_fallback"
+    assert provider.lookup(NS, "not tokens", 0, "q2").reason == "cold_fallback"  # type: ignore[arg-type]
+    provider.forget(["unhashable"])  # type: ignore[arg-type]
+    snap = provider.snapshot()
+    assert snap["errors"]["register"] == 2
+    assert snap["errors"]["lookup"] == 2
+    assert snap["errors"]["forget"] == 1
+    assert snap["outcomes"]["cold_fallback"] == 2
+
+
+def test_discovery_only_reports_evidence_and_never_plans(essay_ids: np.ndarray) -> None:
+    provider = new_provider(Config.from_env({"SEMBLEND_DISCOVERY_ONLY": "1"}))
+    provider.register(NS, "d", essay_ids[:3000])
+    target = np.concatenate([essay_ids[9000:9100], essay_ids[:3000]])
+    decision = provider.lookup(NS, target, 0, "q")
+    assert decision.kind == "decline" and decision.reason == "discovery_only"
+    assert decision.plan is None
+    assert decision.evidence is not None and decision.evidence.donor_handle == "d"
+    assert provider.snapshot()["outcomes"]["discovery_only"] == 1
+
+
+def test_substitute_mode_with_sketch_similarity_and_fuzzy_chunks(essay_ids: np.ndarray) -> None:
+    config = Config.from_env(
+        {
+            "SEMBLEND_MODE": "substitute",
+            "SEMBLEND_EXACT_MATERIALIZATION_ONLY": "0",
+            "SEMBLEND_EMBEDDER": "jaccard",
+            "SEMBLEND_MIN_SIMILARITY": "0.2",
+            "SEMBLEND_FUZZY_CHUNKS": "1",
+            "SEMBLEND_FUZZY_THRESHOLD": "0.8",
+        }
+    )
+    provider = new_provider(config)
+    donor = essay_ids[:3000]
+    provider.register(NS, "d", donor)
+    edited = donor.copy()
+    edited[2000:2600:25] = essay_ids[90000:90024]  # one token in 25 changed in one region
+    decision = provider.lookup(NS, np.concatenate([essay_ids[9000:9050], edited]), 0, "q")
+    assert decision.plan is not None
+    assert decision.plan.substitute is True
+    assert decision.plan.similarity is not None and decision.plan.similarity >= 0.2
+    assert decision.plan.substitutions, "edited chunks are offered for substitution"
+    for m in decision.plan.substitutions:
+        assert m.similarity >= 0.8
+        assert 2000 <= m.target_end - 50 and m.target_start - 50 < 2600
+        for span in decision.plan.spans:  # substitutions never overlap exact spans
+            assert m.target_end <= span.target_start or m.target_start >= span.target_end
+    strict = new_provider(
+        Config(
+            mode="substitute",
+            exact_materialization_only=False,
+            embedder="jaccard",
+            min_similarity=1.0,
+        )
+    )
+    strict.register(NS, "d", donor)
+    far = np.concatenate([essay_ids[50000:52500], donor[:600]])
+    assert strict.lookup(NS, far, 0, "q").reason in ("similarity_low", "reuse_ratio_low")
+
+
+def _scenario_calls(essay_ids: np.ndarray) -> list[tuple[str, Any]]:
+    calls: list[tuple[str, Any]] = []
+    for i in range(30):
+        start = (i * 3331) % (essay_ids.size - 3000)
+        calls.append(("register", (f"d{i}", start, 2000 + (i % 5) * 200)))
+        if i % 7 == 3:
+            calls.append(("forget", f"d{i - 2}"))
+    for q in range(25):
+        start = (q * 5227 + 11) % (essay_ids.size - 3000)
+        calls.append(("lookup", (f"q{q}", start, 50 + q, (q * 16) % 200)))
+    return calls
+
+
+def run_scenario(essay_ids: np.ndarray) -> list[str]:
+    """Feed a fixed call sequence to a fresh provider; return its decisions as text."""
+    provider = SemanticProvider(
+        Config(max_donors=20, strict_prefix_boundary=False), registry=CollectorRegistry()
+    )
+    out: list[str] = []
+    for kind, args in _scenario_calls(essay_ids):
+        if kind == "register":
+            handle, start, length = args
+            provider.register(NS, handle, essay_ids[start : start + length])
+        elif kind == "forget":
+            provider.forget(args)
+        else:
+            rid, start, head, exact = args
+            target = np.concatenate([essay_ids[-head:], essay_ids[start : start + 2500]])
+            out.append(describe(provider.lookup(NS, target, exact, rid, page_size=16)))
+    return out
+
+
+def describe(decision: Decision) -> str:
+    plan = decision.plan
+    spans = [] if plan is None else [(s.target_start, s.donor_start, s.length) for s in plan.spans]
+    return json.dumps([decision.kind, decision.reason, plan and plan.donor_handle, spans])
+
+
+def test_two_providers_fed_the_same_calls_decide_identically(
+    essay_ids: np.ndarray, tmp_path: Path
+) -> None:
+    first = run_scenario(essay_ids)
+    assert first == run_scenario(essay_ids)
+    assert sum('"plan"' in d for d in first) >= 5  # the scenario exercises real plans
+    np.save(tmp_path / "ids.npy", essay_ids)
+    code = (
+        "import json, sys, numpy as np;"
+        f"sys.path.insert(0, r'{Path(__file__).parent}');"
+        "import test_provider as t;"
+        f"print(json.dumps(t.run_scenario(np.load(r'{tmp_path / 'ids.npy'}'))))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="31337")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == first
+
+
+def test_eight_threads_lose_no_donor_and_raise_nothing(essay_ids: np.ndarray) -> None:
+    provider = new_provider(Config(max_donors=10000))
+    errors: list[BaseException] = []
+    decisions: list[Decision] = []
+    lock = threading.Lock()
+    per_thread = 40
+    barrier = threading.Barrier(8)
+
+    def worker(t: int) -> None:
+        try:
+            barrier.wait()
+            for i in range(per_thread):
+                start = ((t * per_thread + i) * 1499) % (essay_ids.size - 2000)
+                provider.register(NS, (t, i), essay_ids[start : start + 1500])
+                target = np.concatenate([essay_ids[-37:], essay_ids[start : start + 1500]])
+                d = provider.lookup(NS, target, 0, f"{t}-{i}")
+                with lock:
+                    decisions.append(d)
+                if i % 3 == 0:
+                    provider.release(f"{t}-{i}")
+        except BaseException as exc:  # pragma: no cover - the assertion below reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert len(provider.index) == 8 * per_thread
+    assert set(provider.index.handles()) == {(t, i) for t in range(8) for i in range(per_thread)}
+    assert len(decisions) == 8 * per_thread
+    assert all(d.kind == "plan" for d in decisions), {d.reason for d in decisions}
+    snap = provider.snapshot()
+    assert snap["errors"] == {}
+    assert snap["outcomes"]["cold_fallback"] == 0
