@@ -29,6 +29,12 @@ U64 = np.uint64
 SKETCH_SIZE = 16
 """Bottom-k sketch size: the 16 smallest salted chunk keys, high 32 bits each (64 bytes)."""
 _MERGE_RATIO = 4
+MAX_POSTINGS_PER_KEY = 64
+"""A probe reads at most this many postings per chunk key: the newest ones (postings of donors
+forgotten since count until compaction drops them). A chunk
+shared by thousands of donors (boilerplate, a popular document) then costs a bounded amount, and
+the donors it does return are the most recently registered, which are also the likeliest to still
+be resident."""
 _ID_DTYPE = np.uint32
 _MAX_ID = int(np.iinfo(_ID_DTYPE).max)
 
@@ -111,12 +117,22 @@ class TokenIndex:
     (when the engine offers no way to read them back). Methods never call back into the engine.
     """
 
-    def __init__(self, params: ChunkParams, max_donors: int, *, keep_tokens: bool) -> None:
+    def __init__(
+        self,
+        params: ChunkParams,
+        max_donors: int,
+        *,
+        keep_tokens: bool,
+        max_postings_per_key: int = MAX_POSTINGS_PER_KEY,
+    ) -> None:
+        if max_postings_per_key < 1:
+            raise ValueError(f"max_postings_per_key must be >= 1, got {max_postings_per_key}")
         if max_donors < 1:
             raise ValueError(f"max_donors must be >= 1, got {max_donors}")
         self.params = params
         self.max_donors = max_donors
         self.keep_tokens = keep_tokens
+        self.max_postings_per_key = max_postings_per_key
         self._lock = threading.RLock()
         self._records: OrderedDict[int, DonorRecord] = OrderedDict()  # LRU order, oldest first
         self._by_handle: dict[Hashable, int] = {}
@@ -204,7 +220,8 @@ class TokenIndex:
     ) -> list[Candidate]:
         """Up to ``limit`` donors of ``namespace`` whose chunks cover at least
         ``min_shared_tokens`` query tokens, best first: most shared tokens, then highest sketch
-        similarity, then most recently registered. Never returns another namespace's donor."""
+        similarity, then most recently registered. Never returns another namespace's donor.
+        Reads at most ``max_postings_per_key`` postings per query key (the newest)."""
         if len(query) == 0:
             return []
         qkeys_all = salted_keys(query, namespace)
@@ -214,10 +231,15 @@ class TokenIndex:
         with self._lock:
             id_parts: list[np.ndarray] = []
             w_parts: list[np.ndarray] = []
-            for keys, ids in self._runs:
+            # Runs are oldest first and a key's postings lie in registration order inside a run,
+            # so walking runs newest first and each run from its end reads the newest postings.
+            budget = np.full(qkeys.size, self.max_postings_per_key, dtype=np.int64)
+            for keys, ids in reversed(self._runs):
                 lo = keys.searchsorted(qkeys, side="left")
                 hi = keys.searchsorted(qkeys, side="right")
+                lo = np.maximum(lo, hi - budget)
                 counts = hi - lo
+                budget -= counts
                 total = int(counts.sum())
                 if total == 0:
                     continue
@@ -232,13 +254,16 @@ class TokenIndex:
             if self._postings != self._live_postings:
                 live = self._alive[all_ids]
                 all_ids, all_w = all_ids[live], all_w[live]
-            scores = np.bincount(all_ids, weights=all_w)
-            hit = np.flatnonzero(scores >= min_shared_tokens)
+            # per donor: query tokens in shared chunks (compact ids: the probe read few postings)
+            uniq_ids, inverse_ids = np.unique(all_ids, return_inverse=True)
+            uniq_scores = np.bincount(inverse_ids.ravel(), weights=all_w, minlength=uniq_ids.size)
+            keep_hit = uniq_scores >= min_shared_tokens
+            hit, hit_scores = uniq_ids[keep_hit], uniq_scores[keep_hit]
             if hit.size == 0:
                 return []
+            scores = dict(zip(hit.tolist(), hit_scores.tolist(), strict=True))
             # shortlist: most shared tokens first, then newest id; ties at the cut are kept
             # (up to 4 x limit) so the sketch can rank them
-            hit_scores = scores[hit]
             order = np.lexsort((-hit, -hit_scores))
             cut = min(limit, order.size) - 1
             cut_score = hit_scores[order[cut]]

@@ -169,3 +169,24 @@ def test_sketch_similarity_orders_overlap(essay_ids: np.ndarray) -> None:
     far = sketch_similarity(a, sketch(essay_ids[50000:54096]))
     assert near > far
     assert far <= 0.1
+
+
+def test_probe_reads_only_the_newest_postings_of_a_hot_chunk(essay_ids: np.ndarray) -> None:
+    """A document shared by more donors than the per-key cap: the probe sees only the newest
+    postings of each chunk. Older donors hold more of the document, so without the cap they
+    would rank first; with it, the newest donors are the ones found."""
+    document = essay_ids[30000:32000]
+    found: dict[int, list[int]] = {}
+    for cap in (8, 1_000_000):
+        index = TokenIndex(PARAMS, 1000, keep_tokens=True, max_postings_per_key=cap)
+        for handle in range(40):
+            head = essay_ids[50000 + 300 * handle : 50000 + 300 * handle + 200]
+            body = document if handle < 32 else document[:1500]
+            index.register(NS, handle, np.concatenate([head, body]))
+        query = np.concatenate([essay_ids[90000:90200], document])
+        cands = index.candidates(NS, chunk_tokens(query, PARAMS), limit=5, min_shared_tokens=64)
+        found[cap] = [c.handle for c in cands]
+    assert len(found[8]) == 5 and set(found[8]) <= set(range(32, 40)), found
+    assert len(found[1_000_000]) == 5 and set(found[1_000_000]) <= set(range(32)), found
+    with pytest.raises(ValueError, match="max_postings_per_key"):
+        TokenIndex(PARAMS, 10, keep_tokens=True, max_postings_per_key=0)
