@@ -196,6 +196,14 @@ class TokenIndex:
             if donor_id is not None:
                 self._records.move_to_end(donor_id)
 
+    def tokens_of(self, handle: Hashable) -> np.ndarray | None:
+        """The kept token copy of donor ``handle`` (``keep_tokens`` indexes only), else None."""
+        with self._lock:
+            donor_id = self._by_handle.get(handle)
+            if donor_id is None:
+                return None
+            return self._records[donor_id].tokens
+
     def __contains__(self, handle: object) -> bool:
         with self._lock:
             return handle in self._by_handle

@@ -38,6 +38,9 @@ class Reason:
     PLANNED = "planned"
     ENGINE_DECLINED = "engine_declined"
     UNREPORTED = "unreported"
+    CHUNK_SLOT_BUSY = "chunk_slot_busy"
+    NO_CAPACITY = "no_capacity"
+    UNSUPPORTED_CACHE = "unsupported_cache"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -57,6 +60,9 @@ class Reason:
         PLANNED,
         ENGINE_DECLINED,
         UNREPORTED,
+        CHUNK_SLOT_BUSY,
+        NO_CAPACITY,
+        UNSUPPORTED_CACHE,
         OTHER,
     )
 

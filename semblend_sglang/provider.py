@@ -118,6 +118,22 @@ class SemanticProvider:
 
         self._guard("forget", work)
 
+    def donor_tokens(self, handle: Hashable) -> np.ndarray | None:
+        """Tokens of donor ``handle``: the index's copy, else the token source's answer; None
+        when the donor is not registered or its KV is gone. Never raises."""
+
+        def work() -> np.ndarray | None:
+            kept = self.index.tokens_of(handle)
+            if kept is not None:
+                return kept
+            if self._token_source is None or handle not in self.index:
+                return None
+            got = self._token_source(handle)
+            return None if got is None else as_token_array(got)
+
+        result: np.ndarray | None = self._guard("donor_tokens", work)
+        return result
+
     # ------------------------------------------------------------------ lookup
     def lookup(
         self,

@@ -515,7 +515,7 @@ class SglangCacheHarness:
         for i, req in enumerate(batch.reqs):
             pos = len(req.origin_input_ids) + len(req.output_ids) - 1
             row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            assert int(row[pos]) == int(batch.out_cache_loc[i])
+            assert int(row[pos]) == int(batch.out_cache_loc[i]), (req.rid, pos, req.kv)
             ns = self._ns_of(req)
             prev = self._stored_hash(int(row[pos - 1]))
             h = chain_hash(prev, int(req.output_ids[-1]))

@@ -1,2 +1,93 @@
-"""SGLang integration (radix-cache patch, HiCache, plugin). Importing this package imports no
-sglang module; sglang is touched only when a patch is applied."""
+"""SGLang integration: ``patch_radix_cache()`` / ``unpatch_radix_cache()`` and the plugin.
+
+Importing this package imports no sglang module; sglang is touched only when a patch is applied.
+The patch is chosen by the installed sglang version (see :mod:`.adapter`); on a version no adapter
+serves, one clear warning is logged and sglang is left untouched.
+
+SGLang starts its schedulers with the ``spawn`` method, so a patch applied in the launching
+process does not reach them: :func:`load_plugin` is registered as a ``sglang.srt.plugins`` entry
+point, which every sglang process runs, and applies the patch there when ``SEMBLEND_ENABLED=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from semblend_sglang.config import Config
+
+from .adapter import SglangAdapter, installed_sglang_version
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_installed: SglangAdapter | None = None
+
+
+def _adapters() -> list[type[SglangAdapter]]:
+    from .unified import UnifiedRadixCacheAdapter
+
+    return [UnifiedRadixCacheAdapter]
+
+
+def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
+    """Install semblend's hooks into the installed sglang; idempotent.
+
+    ``config`` defaults to ``Config.from_env()``. Returns the installed adapter, or None (after one
+    warning) when no adapter supports the installed sglang version. Call it before an in-process
+    ``sglang.Engine`` is created; servers get it through the plugin.
+    """
+    global _installed
+    with _lock:
+        if _installed is not None and _installed.is_applied():
+            return _installed
+        version = installed_sglang_version()
+        for adapter_cls in _adapters():
+            if version is not None and adapter_cls.supports(version):
+                adapter = adapter_cls(config or Config.from_env())  # type: ignore[call-arg]
+                adapter.apply()
+                _installed = adapter
+                logger.info("semblend: %s hooks installed (sglang %s)", adapter.name, version)
+                return adapter
+        logger.warning(
+            "semblend: sglang %s is not supported by this version of semblend-sglang "
+            "(supported: 0.5.21 up to 0.6); SGLang is left unpatched",
+            version,
+        )
+        return None
+
+
+def unpatch_radix_cache() -> None:
+    """Restore every sglang method the patch replaced; idempotent."""
+    global _installed
+    with _lock:
+        if _installed is not None:
+            _installed.remove()
+        _installed = None
+
+
+def installed_adapter() -> SglangAdapter | None:
+    """The adapter currently installed in this process, or None."""
+    return _installed
+
+
+def load_plugin() -> None:
+    """``sglang.srt.plugins`` entry point: patch when ``SEMBLEND_ENABLED=1``; never raises.
+
+    A bad configuration is logged (with the offending key) and leaves SGLang unpatched.
+    """
+    if os.environ.get("SEMBLEND_ENABLED", "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    try:
+        patch_radix_cache()
+    except Exception as exc:
+        logger.error("semblend: not installed (%s: %s)", type(exc).__name__, exc)
+
+
+def snapshot() -> dict[str, Any] | None:
+    """Outcome counters of this process's installed patch (None when not installed)."""
+    adapter = _installed
+    runtime = getattr(adapter, "runtime", None)
+    return None if runtime is None else runtime.provider.snapshot()

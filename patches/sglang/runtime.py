@@ -1,0 +1,166 @@
+"""Per-process semblend state shared by the SGLang hooks: the provider, donors, request plans.
+
+One :class:`SemblendRuntime` per scheduler process (TP ranks each have their own and, fed the same
+calls, decide the same). It imports no sglang module; the adapter passes sglang objects in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from semblend_sglang.config import Config
+from semblend_sglang.kernels import RopeSpec
+from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import Reason, ReusePlan
+from semblend_sglang.provider import SemanticProvider
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestReuse:
+    """The reuse plan of one request and how far it got.
+
+    ``boundary`` (a') is where the request's own head ends and reused KV starts; ``end`` (b') is
+    where reuse ends. ``phase``: ``planned`` (looked up), ``head`` (the scheduler will end a
+    prefill chunk at ``boundary``), ``materialized`` (the request owns slots holding rotated donor
+    KV for ``[boundary, end)``; nothing from ``boundary`` on may be published).
+    """
+
+    rid: str
+    namespace: Namespace
+    plan: ReusePlan
+    boundary: int
+    end: int
+    donor_start: int
+    phase: str = "planned"
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens whose KV comes from the donor."""
+        return self.end - self.boundary
+
+    @property
+    def delta(self) -> int:
+        """Position shift applied to the donor's keys."""
+        return self.boundary - self.donor_start
+
+
+class SemblendRuntime:
+    """Holds the provider and the per-request reuse state for one scheduler process.
+
+    The hooks call it; it never raises to them: :meth:`fail` records an error as the request's
+    cold fallback and logs once per place and exception type.
+    """
+
+    def __init__(self, config: Config, *, registry: Any = None) -> None:
+        self.config = config
+        self.provider = SemanticProvider(config, None, registry=registry)
+        self.requests: dict[str, RequestReuse] = {}
+        self.settled: set[str] = set()
+        """Requests whose plan was declined or failed: not planned again until released."""
+        self.registered: set[str] = set()
+        self._handles = itertools.count()
+        self._rope_spec: RopeSpec | None = None
+        self._rope_error: str | None = None
+        self._logged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- donors
+    def register_donor(self, namespace: Namespace, rid: str, tokens: Any) -> None:
+        """Index a request's published prompt tokens as a donor (once per request)."""
+        if rid in self.registered:
+            return
+        self.registered.add(rid)
+        handle: Hashable = next(self._handles)
+        self.provider.register(namespace, handle, tokens)
+
+    def donor_tokens(self, handle: Hashable) -> Any:
+        """The donor's tokens as the index keeps them, or None when it was dropped."""
+        return self.provider.donor_tokens(handle)
+
+    # ----------------------------------------------------------------- requests
+    def start(self, rid: str, namespace: Namespace, plan: ReusePlan) -> RequestReuse:
+        """Track ``plan`` for request ``rid``; only its first span is materialized."""
+        span = plan.spans[0]
+        state = RequestReuse(
+            rid=rid,
+            namespace=namespace,
+            plan=plan,
+            boundary=span.target_start,
+            end=span.target_end,
+            donor_start=span.donor_start,
+        )
+        self.requests[rid] = state
+        return state
+
+    def decline(self, rid: str, reason: str) -> None:
+        """The engine will not use the plan of ``rid``; the request continues normally."""
+        self.settled.add(rid)
+        if self.requests.pop(rid, None) is not None:
+            self.provider.record_declined(rid, reason)
+
+    def fail(self, where: str, exc: BaseException, rid: str | None = None) -> None:
+        """An error in a hook: count it, log once, and make the request a cold fallback."""
+        key = (where, type(exc).__name__)
+        with self._lock:
+            first = key not in self._logged
+            self._logged.add(key)
+        if first:
+            logger.warning(
+                "semblend %s failed (%s: %s); the request falls back to a normal prefill",
+                where,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+        if rid is not None:
+            self.settled.add(rid)
+        if rid is not None and self.requests.pop(rid, None) is not None:
+            self.provider.record_cold_fallback(rid, where)
+        else:
+            self.provider.telemetry.record_error(where)
+
+    def release(self, rid: str) -> None:
+        """The request ended (finished, aborted or retracted): drop its state."""
+        self.requests.pop(rid, None)
+        self.settled.discard(rid)
+        self.registered.discard(rid)
+        self.provider.release(rid)
+
+    # ----------------------------------------------------------------- model
+    def set_rope_spec(self, spec: RopeSpec) -> None:
+        """Use ``spec`` for K rotation (tests and in-process engines that know their model)."""
+        self._rope_spec = spec
+
+    def rope_spec(self, model_path: str | None) -> RopeSpec | None:
+        """RoPE of the served model, read once from its config.json; None (logged once) when
+        the model's rotary embedding is not supported or its config cannot be read."""
+        if self._rope_spec is not None or self._rope_error is not None:
+            return self._rope_spec
+        try:
+            if model_path is None:
+                raise FileNotFoundError("no model path known to this process")
+            config_file = Path(model_path) / "config.json"
+            if config_file.is_file():
+                hf_config: Any = json.loads(config_file.read_text())
+            else:
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.from_pretrained(model_path)
+            self._rope_spec = RopeSpec.from_hf_config(hf_config)
+        except Exception as exc:
+            self._rope_error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "semblend: cannot reuse KV for this model (%s); every plan is declined as %s",
+                self._rope_error,
+                Reason.UNSUPPORTED_CACHE,
+            )
+        return self._rope_spec

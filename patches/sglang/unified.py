@@ -1,0 +1,339 @@
+"""Adapter for sglang >= 0.5.21: hooks on ``UnifiedRadixCache`` and ``PrefillAdder``.
+
+exact_spans, per request T with exact hit m and plan [a', b') <- donor [a0', b0'):
+
+1. ``UnifiedRadixCache.match_prefix``: the original runs and its result is returned unchanged
+   (the exact cache stays authoritative); the provider is asked once per request id.
+2. ``PrefillAdder._select_prefill_admission`` / ``add_chunked_req``: the prefill chunk that would
+   cross a' is cut at a', so the request first computes its own head T[m:a').
+3. ``UnifiedRadixCache.checkpoint`` at up_to == a' (the scheduler stashing that chunk): T[0:a')
+   is published as usual; then the donor's path is re-matched and locked, the request gets new
+   slots of its own for [a', b'), the fused kernel copies the donor's K (rotated by a' - a0') and V
+   into them, and the request's prefix is extended to b'. The scheduler computes T[b':n].
+4. Every later ``checkpoint`` of that request is capped at a': nothing from a' on (reused KV, and
+   everything computed after it) reaches the tree; SGLang's release frees those slots, which only
+   this request ever owned.
+5. A request whose prompt is published becomes a donor (the provider keeps its token ids).
+
+Any failure declines the plan or makes it a cold fallback; the request continues normally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from typing import Any
+
+import torch
+
+from semblend_sglang.config import Config
+from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import Reason
+
+from .adapter import SglangAdapter
+from .runtime import RequestReuse, SemblendRuntime
+
+_RUNTIME_ATTR = "_semblend_runtime"
+_CUT_ATTR = "_semblend_cut_at_boundary"
+
+
+def _server_args() -> Any:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:
+        return None
+
+
+def _namespace_for(req: Any) -> Namespace:
+    args = _server_args()
+    model = str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "") or "")
+    tokenizer = str(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", "") or "")
+    return Namespace(
+        model=model,
+        tokenizer_fingerprint=tokenizer,
+        adapter=getattr(req, "lora_id", None),
+        extra_key=getattr(req, "extra_key", None),
+        cache_salt=getattr(req, "cache_salt", None),
+    )
+
+
+def _eligible(req: Any) -> bool:
+    return (
+        getattr(req, "multimodal_inputs", None) is None
+        and getattr(req, "positional_embed_overrides", None) is None
+        and getattr(req, "session", None) is None
+        and not (hasattr(req, "is_dllm") and req.is_dllm())
+    )
+
+
+class UnifiedRadixCacheAdapter(SglangAdapter):
+    """Hooks for sglang 0.5.21+ (``UnifiedRadixCache``; Rust or Python tree core)."""
+
+    name = "unified-radix-cache"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.runtime = SemblendRuntime(config)
+        self._originals: dict[tuple[type, str], Any] = {}
+
+    @classmethod
+    def supports(cls, version: Any) -> bool:
+        from packaging.version import Version
+
+        return bool(Version("0.5.21") <= version < Version("0.6"))
+
+    # ----------------------------------------------------------------- install
+    def is_applied(self) -> bool:
+        return bool(self._originals)
+
+    def apply(self) -> None:
+        if self._originals:
+            return
+        from sglang.srt.managers.schedule_policy import PrefillAdder
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        adapter = self
+        runtime = self.runtime
+        orig_match = UnifiedRadixCache.match_prefix
+        orig_checkpoint = UnifiedRadixCache.checkpoint
+        orig_on_release = UnifiedRadixCache.on_release
+        orig_select = PrefillAdder._select_prefill_admission
+        orig_add_chunked = PrefillAdder.add_chunked_req
+
+        def match_prefix(self: Any, params: Any) -> Any:
+            result = orig_match(self, params)
+            req = getattr(params, "req", None)
+            if req is not None:
+                try:
+                    adapter._on_match(self, params, req, result)
+                except Exception as exc:
+                    runtime.fail("match_prefix", exc, getattr(req, "rid", None))
+            return result
+
+        def checkpoint(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
+            state = runtime.requests.get(getattr(req, "rid", None))
+            if state is not None and state.phase == "materialized":
+                up_to = min(up_to, state.boundary)
+            orig_checkpoint(self, req, up_to=up_to, **kwargs)
+            try:
+                adapter._after_checkpoint(self, req, up_to, orig_match)
+            except Exception as exc:
+                runtime.fail("checkpoint", exc, getattr(req, "rid", None))
+
+        def on_release(self: Any, req: Any, *, checkpointed: bool) -> None:
+            orig_on_release(self, req, checkpointed=checkpointed)
+            try:
+                runtime.release(req.rid)
+            except Exception as exc:
+                runtime.fail("release", exc)
+
+        def _select_prefill_admission(self: Any, req: Any, **kwargs: Any) -> Any:
+            if getattr(self, _CUT_ATTR, False):
+                # A chunk was cut short at a reuse boundary in this step: admit nothing more,
+                # as SGLang does after a chunked request (it tracks one chunked request).
+                from sglang.srt.managers.schedule_policy import AddReqResult
+
+                return AddReqResult.OTHER
+            admission = orig_select(self, req, **kwargs)
+            try:
+                return adapter._cut_admission(self, req, admission, kwargs)
+            except Exception as exc:
+                runtime.fail("admission", exc, getattr(req, "rid", None))
+                return admission
+
+        def add_chunked_req(self: Any, req: Any) -> Any:
+            out = orig_add_chunked(self, req)
+            try:
+                return adapter._cut_continuation(self, req, out)
+            except Exception as exc:
+                runtime.fail("chunked_admission", exc, getattr(req, "rid", None))
+                return out
+
+        replacements = {
+            (UnifiedRadixCache, "match_prefix"): match_prefix,
+            (UnifiedRadixCache, "checkpoint"): checkpoint,
+            (UnifiedRadixCache, "on_release"): on_release,
+            (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
+            (PrefillAdder, "add_chunked_req"): add_chunked_req,
+        }
+        for (owner, name), wrapper in replacements.items():
+            original = owner.__dict__[name]
+            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            wrapper.__doc__ = getattr(original, "__doc__", None)
+            self._originals[(owner, name)] = original
+            setattr(owner, name, wrapper)
+        setattr(UnifiedRadixCache, _RUNTIME_ATTR, runtime)
+
+    def remove(self) -> None:
+        for (owner, name), original in self._originals.items():
+            setattr(owner, name, original)
+        if self._originals:
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            if getattr(UnifiedRadixCache, _RUNTIME_ATTR, None) is self.runtime:
+                delattr(UnifiedRadixCache, _RUNTIME_ATTR)
+        self._originals.clear()
+
+    # ----------------------------------------------------------------- 1. lookup
+    def _on_match(self, cache: Any, params: Any, req: Any, result: Any) -> None:
+        runtime = self.runtime
+        rid = req.rid
+        if rid in runtime.requests or rid in runtime.settled:
+            return
+        if not self.config.enabled or not _eligible(req):
+            return
+        tokens = params.key.token_ids
+        limit = getattr(params.key, "limit", None)
+        usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
+        exact_len = int(result.device_prefix_len) + int(getattr(result, "host_hit_length", 0) or 0)
+        namespace = _namespace_for(req)
+        decision = runtime.provider.lookup(
+            namespace, tokens[:usable], exact_len, rid, page_size=int(cache.page_size)
+        )
+        if decision.kind != "plan" or decision.plan is None:
+            return
+        state = runtime.start(rid, namespace, decision.plan)
+        if self.config.mode != "exact_spans" or not self._cache_supported(cache):
+            # substitute plans are not materialized by this adapter (docs/sglang.md).
+            runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
+            return
+        if state.boundary <= exact_len:
+            runtime.decline(rid, Reason.SPANS_TRIMMED_AWAY)
+
+    def _cache_supported(self, cache: Any) -> bool:
+        pool = cache.token_to_kv_pool_allocator.get_kvcache()
+        k_buffer = getattr(pool, "k_buffer", None)
+        return (
+            int(cache.page_size) == 1
+            and isinstance(k_buffer, list)
+            and getattr(pool, "store_dtype", None) == getattr(pool, "dtype", None)
+            and self.runtime.rope_spec(getattr(_server_args(), "model_path", None)) is not None
+        )
+
+    # ----------------------------------------------------------------- 2. chunk at a'
+    def _cut_admission(self, adder: Any, req: Any, admission: Any, kwargs: dict[str, Any]) -> Any:
+        state = self.runtime.requests.get(req.rid)
+        if state is None or state.phase != "planned" or not hasattr(admission, "extend_len"):
+            return admission
+        start = int(admission.prefix_len)
+        end = start + int(admission.extend_len)
+        if state.boundary <= start:
+            self.runtime.decline(req.rid, Reason.SPANS_TRIMMED_AWAY)
+            return admission
+        if state.boundary >= end:
+            if admission.is_chunked:
+                state.phase = "head"  # the cut happens in a later chunk
+            return admission
+        if kwargs.get("has_chunked_req") or adder.new_chunked_req is not None:
+            self.runtime.decline(req.rid, Reason.CHUNK_SLOT_BUSY)
+            return admission
+        state.phase = "head"
+        setattr(adder, _CUT_ATTR, True)
+        return dataclasses.replace(
+            admission, extend_len=state.boundary - start, is_chunked=True, max_new_tokens=0
+        )
+
+    def _cut_continuation(self, adder: Any, req: Any, out: Any) -> Any:
+        state = self.runtime.requests.get(req.rid)
+        if state is None or state.phase != "head":
+            return out
+        if req.prefix_len < state.boundary < req.extend_end:
+            req.extend_end = state.boundary
+            setattr(adder, _CUT_ATTR, True)
+            return req
+        return out
+
+    # ----------------------------------------------------------------- 3. materialize
+    def _after_checkpoint(self, cache: Any, req: Any, up_to: int, orig_match: Any) -> None:
+        runtime = self.runtime
+        state = runtime.requests.get(req.rid)
+        if state is not None and state.phase == "head" and up_to == state.boundary:
+            if req.finished() or req.extend_end != state.boundary:
+                runtime.decline(req.rid, Reason.ENGINE_DECLINED)
+                return
+            self._materialize(cache, req, state, orig_match)
+            return
+        if state is not None and state.phase == "materialized":
+            return
+        prompt = req.origin_input_ids
+        if up_to >= len(prompt) >= runtime.config.min_prompt_tokens and _eligible(req):
+            runtime.register_donor(_namespace_for(req), req.rid, list(prompt))
+
+    def _materialize(self, cache: Any, req: Any, state: RequestReuse, orig_match: Any) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        from semblend_sglang.kernels import transfer_kv_sglang
+
+        runtime = self.runtime
+        rid = req.rid
+        plan = state.plan
+        donor = runtime.donor_tokens(plan.donor_handle)
+        donor_end = state.donor_start + state.reused_tokens
+        if donor is None or len(donor) < donor_end:
+            runtime.provider.forget(plan.donor_handle)
+            runtime.decline(rid, Reason.DONOR_EVICTED)
+            return
+        ns = state.namespace
+        key = RadixKey(
+            array("q", donor[:donor_end].tolist()),
+            extra_key=ns.extra_key,
+            cache_salt=ns.cache_salt,
+        )
+        found = orig_match(cache, MatchPrefixParams(key=key))
+        if int(found.device_prefix_len) < donor_end:
+            runtime.provider.forget(plan.donor_handle)
+            runtime.decline(rid, Reason.DONOR_EVICTED)
+            return
+        spec = runtime.rope_spec(getattr(_server_args(), "model_path", None))
+        if spec is None:
+            runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
+            return
+        allocator = cache.token_to_kv_pool_allocator
+        pool = allocator.get_kvcache()
+        n = state.reused_tokens
+        lock = cache.lock(found.last_device_node)
+        try:
+            path = cache.tree_core.collect_full_device_indices(
+                found.last_device_node, cache.root_node_handle(ns.extra_key)
+            )
+            src = path[state.donor_start : donor_end].to(torch.int64)
+            if allocator.available_size() < n:
+                evict_from_tree_cache(cache, n)
+            dst = allocator.alloc(n)
+            if dst is None:
+                runtime.decline(rid, Reason.NO_CAPACITY)
+                return
+            try:
+                deltas = torch.full((n,), state.delta, dtype=torch.int64, device=src.device)
+                transfer_kv_sglang(
+                    pool.k_buffer, pool.v_buffer, src.to(dst.device), dst, deltas, spec
+                )
+                if dst.is_cuda:
+                    torch.cuda.current_stream(dst.device).synchronize()
+                cache.req_to_token_pool.write(
+                    (req.kv.req_pool_idx, slice(state.boundary, state.end)), dst.to(torch.int32)
+                )
+            except BaseException:
+                allocator.free(dst)
+                raise
+        finally:
+            cache.unlock(lock)
+        req.kv.kv_allocated_len = state.end
+        req.kv.kv_committed_len = state.end
+        req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
+        state.phase = "materialized"
+        runtime.provider.record_materialized(rid, n)
+
+
+def runtime_of_installed() -> SemblendRuntime | None:
+    """The runtime of the adapter currently installed in this process, if any."""
+    try:
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    except Exception:
+        return None
+    runtime: SemblendRuntime | None = getattr(UnifiedRadixCache, _RUNTIME_ATTR, None)
+    return runtime
