@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,9 +12,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _build_wheel(out: Path) -> Path:
+    # Built from a copy: setuptools writes an egg-info into the source tree, whose metadata
+    # would shadow the installed distribution's (entry points included) for processes started
+    # in the repository root.
+    source = out.parent / "source"
+    shutil.copytree(
+        REPO_ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".venv*", ".cache", ".git", "build", "*.egg-info"),
+    )
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out)],
-        cwd=REPO_ROOT,
+        cwd=source,
         check=True,
         capture_output=True,
         timeout=600,
