@@ -69,7 +69,12 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
                 buckets=_LATENCY_BUCKETS,
                 registry=reg,
             ),
-            "donors": Gauge("semblend_donors", "Donors in the index.", registry=reg),
+            "donors": Gauge(
+                "semblend_donors",
+                "Donors in the index.",
+                registry=reg,
+                multiprocess_mode="livesum",
+            ),
             "errors": Counter(
                 "semblend_errors",
                 "Internal errors turned into cold fallbacks, by where they happened.",
