@@ -242,10 +242,13 @@ class TokenIndex:
             # Runs are oldest first and a key's postings lie in registration order inside a run,
             # so walking runs newest first and each run from its end reads the newest postings.
             budget = np.full(qkeys.size, self.max_postings_per_key, dtype=np.int64)
+            # [k, k + 1) bounds in one search (k + 1 wraps to 0 only for k = 2**64 - 1: clamped)
+            bounds = np.concatenate([qkeys, qkeys + U64(1)])
+            nq = qkeys.size
             for keys, ids in reversed(self._runs):
-                lo = keys.searchsorted(qkeys, side="left")
-                hi = keys.searchsorted(qkeys, side="right")
-                lo = np.maximum(lo, hi - budget)
+                found = keys.searchsorted(bounds, side="left")
+                hi = np.maximum(found[nq:], found[:nq])
+                lo = np.maximum(found[:nq], hi - budget)
                 counts = hi - lo
                 budget -= counts
                 total = int(counts.sum())

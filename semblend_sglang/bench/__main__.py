@@ -14,6 +14,10 @@ JOBS: dict[str, tuple[str, str]] = {
     "ttft": ("semblend_sglang.bench.ttft", "TTFT of cold vs exact-repeat prompts on the server."),
     "provider": ("semblend_sglang.bench.provider", "Donor lookup latency and index memory."),
     "kernels": ("semblend_sglang.bench.kernels", "transfer_kv bandwidth against a plain copy."),
+    "semantic": (
+        "semblend_sglang.bench.semantic",
+        "Semantic-hit TTFT vs cold and vs an exact hit of the same length; miss overhead.",
+    ),
 }
 DEFAULT_JOB = "ttft"
 
