@@ -138,9 +138,12 @@ class SglangServer:
         raise ServerError(f"sglang server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, grace: float = 20.0) -> int:
-        """Stop the server and every process of its group; returns the launcher's exit code."""
+        """Stop the server and every process of its group; returns the launcher's exit code.
+
+        SIGINT goes to the launcher only (it shuts its scheduler and detokenizer down itself);
+        whatever of the group is left after ``grace`` seconds is killed."""
         if self.alive():
-            _signal_group(self.process.pid, signal.SIGINT)
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
