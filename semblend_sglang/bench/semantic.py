@@ -17,16 +17,14 @@ All TTFTs are streaming, greedy; reuse is read from the server's ``cached_tokens
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .ttft import environment, flush_cache, stream_generate
+from .ttft import flush_cache, stream_generate, write_report
 
 INSTRUCTION_A = "Summarize the following essay in three sentences.\n\n"
 INSTRUCTION_B = "Read the essay below carefully and list the author's main arguments.\n\n"
@@ -177,18 +175,10 @@ def command(
     for key, value in summary.items():
         click.echo(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(
-            json.dumps(
-                {
-                    "environment": environment(),
-                    "summary": summary,
-                    "samples": [asdict(s) for s in results],
-                    "vanilla_miss_s": vanilla_miss,
-                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                },
-                indent=2,
-            )
-            + "\n"
+        write_report(
+            json_path,
+            summary=summary,
+            samples=[asdict(s) for s in results],
+            vanilla_miss_s=vanilla_miss,
         )
         click.echo(f"wrote {json_path}")

@@ -170,6 +170,12 @@ def environment() -> dict[str, Any]:
     }
 
 
+def write_report(path: Path, **sections: Any) -> None:
+    """Write ``sections`` plus the :func:`environment` as one indented JSON file at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": environment(), **sections}, indent=2) + "\n")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """Console table of :func:`summarize` rows, with the exact/cold speed-up."""
     click.echo(
@@ -228,16 +234,5 @@ def command(url: str | None, lengths: str, samples: int, json_path: Path | None)
     rows = summarize(samples_out)
     print_table(rows)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(
-            json.dumps(
-                {
-                    "environment": environment(),
-                    "summary": rows,
-                    "samples": [asdict(s) for s in samples_out],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        write_report(json_path, summary=rows, samples=[asdict(s) for s in samples_out])
         click.echo(f"wrote {json_path}")
