@@ -3,6 +3,7 @@ addressing of every layout, fp8 exactness, and the overlap guard."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,8 @@ def _as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ),
 )
 def test_kernel_equals_reference(case: Case) -> None:
-    gen = torch.Generator().manual_seed(hash(case) % 2**31)
+    # A stable seed per case (Python's hash() of the case differs per process).
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     original = _make_caches(case, gen)
     n_slots = case.blocks * case.block_size
     perm = torch.randperm(n_slots, generator=gen)
@@ -194,8 +196,10 @@ def test_kernel_equals_reference(case: Case) -> None:
             assert torch.equal(v_kern, v_src) and torch.equal(v_ref, v_src)
             assert torch.equal(k_kern[:, r:], k_src[:, r:])
             assert torch.equal(k_ref[:, r:], k_src[:, r:])
-            if deltas[i] == 0:
-                assert torch.equal(k_kern, k_src) and torch.equal(k_ref, k_src)
+            if deltas[i] == 0:  # compared as values: rotating -0.0 by 0 may give +0.0
+                k_src_values = _as_float(k_src, case.dtype)
+                assert torch.equal(_as_float(k_kern, case.dtype), k_src_values)
+                assert torch.equal(_as_float(k_ref, case.dtype), k_src_values)
             # The reference is R(delta) applied to the donor's dequantized K.
             want = rotate_fp32(_as_float(k_src, case.dtype)[None] * scale, deltas[i : i + 1], spec)[
                 0
