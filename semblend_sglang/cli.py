@@ -1,21 +1,67 @@
 """``semblend-sglang`` command line: a click group; each job is one subcommand.
 
-Commands import their heavy dependencies (torch, transformers, sglang) lazily, so ``--help``
-stays fast and a missing optional extra only breaks the command that needs it.
+``semblend-sglang --model-path ...`` (any arguments starting with an option other than
+``--help``/``--version``) is the same as ``semblend-sglang serve --model-path ...``. Commands import
+their heavy dependencies (torch, transformers, sglang) lazily, so a missing optional extra only
+breaks the command that needs it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from . import __version__
+from .config import FIELDS, ConfigError
+from .launcher import (
+    CONFIG_FLAG,
+    config_environ,
+    flag_for_param,
+    resolve_config,
+    sglang_flags_help,
+    unknown_flag_message,
+    unknown_semblend_flags,
+)
+
+_GROUP_WORDS = frozenset({"-h", "--help", "--version"})
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _ServeByDefault(click.Group):
+    """A group whose bare form ``semblend-sglang --model-path M ...`` runs ``serve``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0].startswith("-") and args[0] not in _GROUP_WORDS:
+            args = ["serve", *args]
+        return super().parse_args(ctx, args)
+
+
+class _ServeCommand(click.Command):
+    """``serve``: its help lists the ``--semblend-*`` flags, then every SGLang server flag."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help(ctx, formatter)
+        formatter.write_paragraph()
+        formatter.write_text(
+            "SGLang server flags (python -m sglang.launch_server), passed through unchanged:"
+        )
+        try:
+            text = sglang_flags_help()
+        except Exception as exc:  # sglang missing or broken: say so, keep our own help
+            text = f"  (could not load sglang's flags: {type(exc).__name__}: {exc})\n"
+        formatter.write(text)
+
+
+@click.group(
+    cls=_ServeByDefault,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="`semblend-sglang --model-path M [flags]` is short for "
+    "`semblend-sglang serve --model-path M [flags]`.",
+)
 @click.version_option(__version__, prog_name="semblend-sglang")
 def main() -> None:
     """semblend-sglang: semantic KV-cache reuse for SGLang."""
@@ -44,8 +90,33 @@ def prepare_model_cmd(cache_dir: Path | None, force: bool) -> None:
     click.echo(str(folder))
 
 
+def _semblend_options(command: Any) -> Any:
+    """Add a string option per Config field (validated together later) and --semblend-config."""
+    command = click.option(
+        CONFIG_FLAG,
+        "semblend_config",
+        default=None,
+        metavar="JSON|@FILE",
+        help="SemBlend settings as a JSON object (kv_connector_extra_config keys), or @path to a "
+        "file holding one. Flags below win over it; it wins over SEMBLEND_* variables.",
+    )(command)
+    for spec in reversed(FIELDS):
+        command = click.option(
+            spec.flag,
+            default=None,
+            metavar=spec.type.__name__.upper()
+            if spec.choices is None
+            else "[" + "|".join(spec.choices) + "]",
+            help=f"{spec.help} Env: {spec.env}. Default: {spec.default!r}. "
+            f"Allowed: {spec.allowed()}.",
+        )(command)
+    return command
+
+
 @main.command(
     "serve",
+    cls=_ServeCommand,
+    options_metavar="[OPTIONS] [SGLANG SERVER FLAGS]...",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
 @click.option(
@@ -55,20 +126,45 @@ def prepare_model_cmd(cache_dir: Path | None, force: bool) -> None:
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=30000, show_default=True, type=int)
+@_semblend_options
 @click.pass_context
-def serve_cmd(ctx: click.Context, model_path: str | None, host: str, port: int) -> None:
-    """Start the real SGLang server (CPU runtime and CPU flags on a machine without CUDA).
+def serve_cmd(
+    ctx: click.Context,
+    model_path: str | None,
+    host: str,
+    port: int,
+    semblend_config: str | None,
+    **semblend_flags: str | None,
+) -> None:
+    """Start the real SGLang server with SemBlend (CPU runtime and flags without CUDA).
 
-    Every further argument is passed to ``python -m sglang.launch_server`` unchanged and wins
-    over the CPU defaults. Ctrl-C stops the server and all of its child processes.
+    The --semblend-* flags below configure SemBlend (SEMBLEND_ENABLED unset means enabled; pass
+    --semblend-enabled 0 for vanilla SGLang); every other argument goes to
+    `python -m sglang.launch_server` unchanged and wins over the CPU defaults. The resolved
+    settings reach the server's processes as SEMBLEND_* variables. With --enable-metrics the
+    semblend_* counters appear on /metrics; GET /semblend/snapshot returns them as JSON.
+    Ctrl-C stops the server and all of its child processes.
     """
     from .server import ServerError, start_server
 
+    unknown = unknown_semblend_flags(ctx.args)
+    if unknown:
+        raise click.UsageError(unknown_flag_message(unknown[0]), ctx)
+    flags = {flag_for_param(name) or name: value for name, value in semblend_flags.items()}
+    try:
+        config = resolve_config(os.environ, flags, semblend_config)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx, param_hint=f"'{exc.key}'") from exc
     if model_path is None:
         from .model_prep import prepare_model
 
         model_path = str(prepare_model())
-    server = start_server(model_path, host=host, port=port, extra_args=list(ctx.args))
+    child_env = config_environ(config)
+    server = start_server(
+        model_path, host=host, port=port, extra_args=list(ctx.args), env=child_env
+    )
+    state = f"mode={config.mode}" if config.enabled else "disabled"
+    click.echo(f"semblend: {state}", err=True)
     click.echo("starting: " + " ".join(server.command), err=True)
 
     def _stop(_signum: int, _frame: object) -> None:

@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -16,7 +18,7 @@ from safetensors import safe_open
 
 from semblend_sglang.cli import main
 from semblend_sglang.model_prep import MARKER, MODEL_FOLDER_NAME, default_cache_dir
-from semblend_sglang.server import CPU_SERVER_FLAGS, build_server_command, free_port
+from semblend_sglang.server import CPU_SERVER_FLAGS, build_server_command, free_port, http_json
 
 CLI = [sys.executable, "-m", "semblend_sglang.cli"]
 
@@ -86,11 +88,37 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _check_semblend_reached_the_scheduler(url: str, tokenizer: Any, essay: str) -> None:
+    """The launcher's --semblend-* flags configured the scheduler; the snapshot route answers."""
+    snap = http_json(url + "/semblend/snapshot")
+    assert snap["config"]["mode"] == "discovery_only", snap
+    assert snap["config"]["max_donors"] == 5000 and snap["config"]["min_prompt_tokens"] == 64
+    doc = tokenizer.encode(essay, add_special_tokens=False)[:300]
+    for head in ("Summarize this essay.\n\n", "List the claims of this essay.\n\n"):
+        ids = tokenizer.encode(head, add_special_tokens=False) + doc
+        payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        http_json(url + "/generate", payload)
+    snap = http_json(url + "/semblend/snapshot")
+    assert len(snap["ranks"]) == 1
+    assert snap["total"]["outcomes"].get("discovery_only", 0) >= 1, snap  # the second request
+    assert snap["total"]["donors"] >= 1, snap
+    info = http_json(url + "/server_info")
+    assert info["internal_states"][0]["semblend"]["outcomes"] == snap["total"]["outcomes"]
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    assert 'semblend_requests_total{outcome="discovery_only"' in metrics
+
+
 @pytest.mark.e2e
-def test_serve_prints_url_and_sigint_stops_server_and_children(smollm2_model_dir: Path) -> None:
+def test_bare_launcher_with_semblend_flags_serves_and_sigint_stops_everything(
+    smollm2_model_dir: Path, smollm2_tokenizer: Any, essay_texts: list[str]
+) -> None:
     port = free_port()
+    # The bare form (no "serve"), sglang flags and --semblend-* flags mixed.
+    command = [*CLI, "--model-path", str(smollm2_model_dir), "--port", str(port)]
+    command += ["--enable-metrics", "--semblend-mode", "discovery_only"]
+    command += ["--semblend-max-donors", "5000", "--semblend-min-prompt-tokens", "64"]
     proc = subprocess.Popen(
-        [*CLI, "serve", "--model-path", str(smollm2_model_dir), "--port", str(port)],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -108,6 +136,9 @@ def test_serve_prints_url_and_sigint_stops_server_and_children(smollm2_model_dir
                 ready = line
                 break
         assert f"http://127.0.0.1:{port}" in ready, ready
+        _check_semblend_reached_the_scheduler(
+            f"http://127.0.0.1:{port}", smollm2_tokenizer, essay_texts[4]
+        )
         children = subprocess.run(
             ["pgrep", "-f", f"sglang.launch_server.*--port {port}"],
             capture_output=True,

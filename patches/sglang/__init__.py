@@ -76,12 +76,16 @@ def installed_adapter() -> SglangAdapter | None:
 def load_plugin() -> None:
     """``sglang.srt.plugins`` entry point: patch when ``SEMBLEND_ENABLED=1``; never raises.
 
+    In the HTTP server's process it also adds ``GET /semblend/snapshot`` (.http_routes).
     A bad configuration is logged (with the offending key) and leaves SGLang unpatched.
     """
     if os.environ.get("SEMBLEND_ENABLED", "0").strip().lower() not in ("1", "true", "yes", "on"):
         return
     try:
-        patch_radix_cache()
+        if patch_radix_cache() is not None:
+            from .http_routes import install_snapshot_route_on_import
+
+            install_snapshot_route_on_import()
     except Exception as exc:
         logger.error("semblend: not installed (%s: %s)", type(exc).__name__, exc)
 

@@ -92,7 +92,12 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         if self._originals:
             return
         from sglang.srt.managers.schedule_policy import PrefillAdder
+        from sglang.srt.managers.scheduler_components.internal_state import (
+            SchedulerInternalStateController,
+        )
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        from .http_routes import CONFIG_KEY, STATE_KEY
 
         adapter = self
         runtime = self.runtime
@@ -101,6 +106,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         orig_on_release = UnifiedRadixCache.on_release
         orig_select = PrefillAdder._select_prefill_admission
         orig_add_chunked = PrefillAdder.add_chunked_req
+        orig_internal_state = SchedulerInternalStateController.get_internal_state
 
         def match_prefix(self: Any, params: Any) -> Any:
             result = orig_match(self, params)
@@ -151,12 +157,22 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 runtime.fail("chunked_admission", exc, getattr(req, "rid", None))
                 return out
 
+        def get_internal_state(self: Any, recv_req: Any) -> Any:
+            out = orig_internal_state(self, recv_req)
+            try:
+                out.internal_state[STATE_KEY] = runtime.provider.snapshot()
+                out.internal_state[CONFIG_KEY] = adapter.config.as_dict()
+            except Exception as exc:
+                runtime.fail("internal_state", exc)
+            return out
+
         replacements = {
             (UnifiedRadixCache, "match_prefix"): match_prefix,
             (UnifiedRadixCache, "checkpoint"): checkpoint,
             (UnifiedRadixCache, "on_release"): on_release,
             (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
             (PrefillAdder, "add_chunked_req"): add_chunked_req,
+            (SchedulerInternalStateController, "get_internal_state"): get_internal_state,
         }
         for (owner, name), wrapper in replacements.items():
             original = owner.__dict__[name]

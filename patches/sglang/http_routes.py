@@ -1,0 +1,137 @@
+"""``GET /semblend/snapshot``: the schedulers' outcome counters as JSON, on SGLang's HTTP server.
+
+The counters live in the scheduler processes. The unified adapter adds them to the scheduler's
+internal state (the same path ``GET /server_info`` reads, key ``"semblend"``); this route asks
+every data-parallel scheduler for that state through SGLang's tokenizer manager and returns
+``{"ranks": [snapshot or null, ...], "total": summed counters, "config": the first scheduler's
+resolved settings}``. It works with or without
+``--enable-metrics``. The plugin calls :func:`install_snapshot_route_on_import` in every sglang
+process; the route is added when (and if) SGLang's HTTP server module is imported there, which
+``sglang.launch_server`` does after running the plugins. Nothing here raises.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_PATH = "/semblend/snapshot"
+"""Route of the JSON snapshot on the SGLang HTTP server."""
+
+STATE_KEY = "semblend"
+"""Key of the snapshot inside each scheduler's internal state (``/server_info``)."""
+
+CONFIG_KEY = "semblend_config"
+"""Key of the scheduler's resolved Config (``Config.as_dict()``) inside its internal state."""
+
+_HTTP_MODULE = "sglang.srt.entrypoints.http_server"
+
+
+def merge_snapshots(snapshots: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Sum the counters of several schedulers' snapshots (None entries are skipped).
+
+    Integer fields and per-label dicts are summed; ``lookup_ms_mean`` is the lookup-weighted mean.
+    """
+    total: dict[str, Any] = {}
+    weighted_ms = 0.0
+    for snap in snapshots:
+        if not snap:
+            continue
+        for key, value in snap.items():
+            if isinstance(value, dict):
+                bucket = total.setdefault(key, {})
+                for label, count in value.items():
+                    bucket[label] = bucket.get(label, 0) + count
+            elif isinstance(value, int) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+        weighted_ms += float(snap.get("lookup_ms_mean", 0.0)) * int(snap.get("lookups", 0))
+    if total:
+        total["lookup_ms_mean"] = weighted_ms / total["lookups"] if total.get("lookups") else 0.0
+    return total
+
+
+def install_snapshot_route() -> bool:
+    """Add ``GET /semblend/snapshot`` to SGLang's FastAPI app when this process serves it.
+
+    Returns True when the route is (already) installed, False when this process has no SGLang
+    HTTP server (schedulers, in-process engines) or the app cannot take the route.
+    """
+    module = sys.modules.get(_HTTP_MODULE)
+    app = getattr(module, "app", None)
+    if module is None or app is None:
+        return False
+    try:
+        if any(getattr(route, "path", None) == SNAPSHOT_PATH for route in app.router.routes):
+            return True
+
+        async def semblend_snapshot() -> dict[str, Any]:
+            """Outcome counters of every scheduler (see patches/sglang/http_routes.py)."""
+            states = await module._global_state.tokenizer_manager.get_internal_state()
+            ranks = [state.get(STATE_KEY) for state in states]
+            configs = [state.get(CONFIG_KEY) for state in states if state.get(CONFIG_KEY)]
+            return {
+                "ranks": ranks,
+                "total": merge_snapshots(ranks),
+                "config": configs[0] if configs else None,
+            }
+
+        app.add_api_route(SNAPSHOT_PATH, semblend_snapshot, methods=["GET"])
+        return True
+    except Exception as exc:
+        logger.warning(
+            "semblend: %s not installed (%s: %s)", SNAPSHOT_PATH, type(exc).__name__, exc
+        )
+        return False
+
+
+class _RouteOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finder for SGLang's HTTP server module that adds the route right after it executes."""
+
+    def __init__(self) -> None:
+        self._inner: importlib.abc.Loader | None = None
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> Any:
+        if fullname != _HTTP_MODULE:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        assert self._inner is not None
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        assert self._inner is not None
+        self._inner.exec_module(module)
+        install_snapshot_route()
+
+
+_finder_lock = threading.Lock()
+
+
+def install_snapshot_route_on_import() -> None:
+    """Add the route now if SGLang's HTTP server module is loaded, else as soon as it is imported.
+
+    Idempotent; imports nothing itself. Called by the plugin in every sglang process.
+    """
+    if _HTTP_MODULE in sys.modules:
+        install_snapshot_route()
+        return
+    with _finder_lock:
+        if not any(isinstance(f, _RouteOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RouteOnImport())
