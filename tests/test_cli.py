@@ -88,24 +88,37 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _check_semblend_reached_the_scheduler(url: str, tokenizer: Any, essay: str) -> None:
-    """The launcher's --semblend-* flags configured the scheduler; the snapshot route answers."""
+def _check_substitute_mode_in_the_scheduler(url: str, tokenizer: Any, essay: str) -> None:
+    """The launcher's --semblend-* flags configured the scheduler (substitute mode, MiniLM gate);
+    the snapshot route answers; a request with another instruction in front of the same document
+    is rewritten to the donor's prompt and served from SGLang's exact cache."""
     snap = http_json(url + "/semblend/snapshot")
-    assert snap["config"]["mode"] == "discovery_only", snap
+    assert snap["config"]["mode"] == "substitute", snap
     assert snap["config"]["max_donors"] == 5000 and snap["config"]["min_prompt_tokens"] == 64
     doc = tokenizer.encode(essay, add_special_tokens=False)[:300]
+    answers = []
+    prompts = []
     for head in ("Summarize this essay.\n\n", "List the claims of this essay.\n\n"):
-        ids = tokenizer.encode(head, add_special_tokens=False) + doc
-        payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-        http_json(url + "/generate", payload)
+        prompts.append(tokenizer.encode(head, add_special_tokens=False) + doc)
+        payload = {
+            "input_ids": prompts[-1],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        }
+        answers.append(http_json(url + "/generate", payload))
+    donor, substituted = answers
+    # Output-changing by design: the model saw the donor's prompt, so it answers like the donor.
+    assert substituted["meta_info"]["prompt_tokens"] == len(prompts[0])
+    assert substituted["meta_info"]["cached_tokens"] >= len(prompts[0]) - 1
+    assert substituted["text"] == donor["text"]
     snap = http_json(url + "/semblend/snapshot")
     assert len(snap["ranks"]) == 1
-    assert snap["total"]["outcomes"].get("discovery_only", 0) >= 1, snap  # the second request
-    assert snap["total"]["donors"] >= 1, snap
+    assert snap["total"]["outcomes"].get("materialized", 0) == 1, snap
+    assert snap["total"]["reused_tokens"] >= len(doc), snap
+    assert snap["total"]["errors"] == {}, snap
     info = http_json(url + "/server_info")
     assert info["internal_states"][0]["semblend"]["outcomes"] == snap["total"]["outcomes"]
     metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    assert 'semblend_requests_total{outcome="discovery_only"' in metrics
+    assert 'semblend_requests_total{outcome="materialized"' in metrics
 
 
 @pytest.mark.e2e
@@ -115,7 +128,8 @@ def test_bare_launcher_with_semblend_flags_serves_and_sigint_stops_everything(
     port = free_port()
     # The bare form (no "serve"), sglang flags and --semblend-* flags mixed.
     command = [*CLI, "--model-path", str(smollm2_model_dir), "--port", str(port)]
-    command += ["--enable-metrics", "--semblend-mode", "discovery_only"]
+    command += ["--enable-metrics", "--semblend-mode", "substitute"]
+    command += ["--semblend-exact-materialization-only", "0", "--semblend-min-similarity", "0.8"]
     command += ["--semblend-max-donors", "5000", "--semblend-min-prompt-tokens", "64"]
     proc = subprocess.Popen(
         command,
@@ -136,7 +150,7 @@ def test_bare_launcher_with_semblend_flags_serves_and_sigint_stops_everything(
                 ready = line
                 break
         assert f"http://127.0.0.1:{port}" in ready, ready
-        _check_semblend_reached_the_scheduler(
+        _check_substitute_mode_in_the_scheduler(
             f"http://127.0.0.1:{port}", smollm2_tokenizer, essay_texts[4]
         )
         children = subprocess.run(

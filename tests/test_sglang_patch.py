@@ -307,3 +307,36 @@ def test_plugin_patches_a_process_started_with_spawn(tmp_path: Any) -> None:
         assert out.returncode == 0, out.stderr[-3000:]
         results[enabled] = out.stdout.strip()
     assert results == {"1": "patched True", "0": "patched False"}
+
+
+# ---- substitute mode ---------------------------------------------------------------------------
+
+
+def test_substituted_prompt_puts_the_donor_head_before_the_shared_span() -> None:
+    from array import array
+
+    from semblend_sglang.align import Span
+    from semblend_sglang.namespace import Namespace
+    from semblend_sglang.patches.sglang.unified import substituted_prompt
+    from semblend_sglang.plan import ReusePlan
+
+    donor = [7, 7, 7, 1, 2, 3, 4, 5, 6, 9]
+    target = array("q", [8, 8, 1, 2, 3, 4, 5, 6, 0, 0, 0])
+    plan = ReusePlan(
+        donor_handle=1,
+        donor_namespace=Namespace(model="m"),
+        spans=(Span(target_start=3, donor_start=4, length=5),),  # sink-trimmed: starts at 2
+        reused_tokens=5,
+        prompt_tokens=len(target),
+        exact_len=0,
+        page_size=1,
+        sink_tokens=1,
+        substitute=True,
+    )
+    out = substituted_prompt(target, donor, plan)
+    assert out is not None and out.typecode == "q"
+    assert list(out) == [7, 7, 7, 1, 2, 3, 4, 5, 6, 0, 0, 0]  # donor[:9] + target[8:]
+    assert substituted_prompt(target, donor[:6], plan) is None  # donor shorter than its span
+    changed = list(donor)
+    changed[5] = 99
+    assert substituted_prompt(target, changed, plan) is None  # donor no longer matches

@@ -62,7 +62,9 @@ class SemblendRuntime:
 
     def __init__(self, config: Config, *, registry: Any = None) -> None:
         self.config = config
-        self.provider = SemanticProvider(config, None, registry=registry)
+        self.provider = SemanticProvider(
+            config, None, registry=registry, detokenize=self.detokenize
+        )
         self.requests: dict[str, RequestReuse] = {}
         self.settled: set[str] = set()
         """Requests whose plan was declined or failed: not planned again until released."""
@@ -72,6 +74,7 @@ class SemblendRuntime:
         self._rope_error: str | None = None
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._tokenizer: Any = None
 
     # ----------------------------------------------------------------- donors
     def register_donor(self, namespace: Namespace, rid: str, tokens: Any) -> None:
@@ -136,6 +139,21 @@ class SemblendRuntime:
         self.provider.release(rid)
 
     # ----------------------------------------------------------------- model
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` with the served model's tokenizer (substitute-mode embedding
+        gate only; loaded on first use from the server's tokenizer path, offline)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from .unified import served_tokenizer_path
+
+            path = served_tokenizer_path()
+            if path is None:
+                raise FileNotFoundError("no tokenizer path known to this process")
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+        text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text
+
     def set_rope_spec(self, spec: RopeSpec) -> None:
         """Use ``spec`` for K rotation (tests and in-process engines that know their model)."""
         self._rope_spec = spec

@@ -15,6 +15,12 @@ exact_spans, per request T with exact hit m and plan [a', b') <- donor [a0', b0'
    this request ever owned.
 5. A request whose prompt is published becomes a donor (the provider keeps its token ids).
 
+substitute (opt-in, output-changing): ``Scheduler._add_request_to_queue`` rewrites an arriving
+request's prompt T to D[:a0] + T[a:] for its plan's first span [a, b) <- donor D [a0, b0), once
+the provider's similarity gate passed; SGLang's exact prefix cache then serves D[:b0] unchanged.
+No KV is copied and nothing approximate exists: the model sees the donor's head instead of the
+request's own. The hooks above stand aside for such requests.
+
 Any failure declines the plan or makes it a cold fallback; the request continues normally.
 """
 
@@ -28,7 +34,7 @@ import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.plan import Reason
+from semblend_sglang.plan import Reason, ReusePlan
 
 from .adapter import SglangAdapter
 from .runtime import RequestReuse, SemblendRuntime
@@ -44,6 +50,13 @@ def _server_args() -> Any:
         return get_server_args()
     except Exception:
         return None
+
+
+def served_tokenizer_path() -> str | None:
+    """The running server's tokenizer (or model) path, None outside a server."""
+    args = _server_args()
+    path = getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None)
+    return None if path is None else str(path)
 
 
 def _namespace_for(req: Any) -> Namespace:
@@ -92,6 +105,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         if self._originals:
             return
         from sglang.srt.managers.schedule_policy import PrefillAdder
+        from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.scheduler_components.internal_state import (
             SchedulerInternalStateController,
         )
@@ -107,6 +121,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         orig_select = PrefillAdder._select_prefill_admission
         orig_add_chunked = PrefillAdder.add_chunked_req
         orig_internal_state = SchedulerInternalStateController.get_internal_state
+        orig_add_to_queue = Scheduler._add_request_to_queue
 
         def match_prefix(self: Any, params: Any) -> Any:
             result = orig_match(self, params)
@@ -157,6 +172,15 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 runtime.fail("chunked_admission", exc, getattr(req, "rid", None))
                 return out
 
+        def _add_request_to_queue(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+            retracted = kwargs.get("is_retracted", args[0] if args else False)
+            if adapter.config.mode == "substitute" and not retracted:
+                try:
+                    adapter._substitute(self, req)
+                except Exception as exc:
+                    runtime.fail("substitute", exc, getattr(req, "rid", None))
+            return orig_add_to_queue(self, req, *args, **kwargs)
+
         def get_internal_state(self: Any, recv_req: Any) -> Any:
             out = orig_internal_state(self, recv_req)
             try:
@@ -173,6 +197,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
             (PrefillAdder, "add_chunked_req"): add_chunked_req,
             (SchedulerInternalStateController, "get_internal_state"): get_internal_state,
+            (Scheduler, "_add_request_to_queue"): _add_request_to_queue,
         }
         for (owner, name), wrapper in replacements.items():
             original = owner.__dict__[name]
@@ -198,8 +223,8 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         rid = req.rid
         if rid in runtime.requests or rid in runtime.settled:
             return
-        if not self.config.enabled or not _eligible(req):
-            return
+        if not self.config.enabled or self.config.mode == "substitute" or not _eligible(req):
+            return  # substitute mode decides at arrival (_substitute)
         tokens = params.key.token_ids
         limit = getattr(params.key, "limit", None)
         usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
@@ -211,8 +236,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         if decision.kind != "plan" or decision.plan is None:
             return
         state = runtime.start(rid, namespace, decision.plan)
-        if self.config.mode != "exact_spans" or not self._cache_supported(cache):
-            # substitute plans are not materialized by this adapter (docs/sglang.md).
+        if not self._cache_supported(cache):
             runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
             return
         if state.boundary <= exact_len:
@@ -343,6 +367,86 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
         state.phase = "materialized"
         runtime.provider.record_materialized(rid, n)
+
+    # ----------------------------------------------------------------- substitute mode
+    def _substitute(self, scheduler: Any, req: Any) -> None:
+        """Rewrite an arriving request's head to its donor's (substitute mode; see module doc)."""
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        runtime = self.runtime
+        rid = req.rid
+        cache = getattr(scheduler, "tree_cache", None)
+        if not self.config.enabled or not _eligible(req) or rid in runtime.settled:
+            return
+        if not isinstance(cache, UnifiedRadixCache) or cache.disable:
+            return
+        tokens = req.origin_input_ids
+        namespace = _namespace_for(req)
+        exact_len = self._cached_len(cache, tokens, namespace)
+        decision = runtime.provider.lookup(
+            namespace, tokens, exact_len, rid, page_size=int(cache.page_size)
+        )
+        if decision.kind != "plan" or decision.plan is None:
+            return
+        runtime.settled.add(rid)  # decided here; the match hooks leave it alone
+        plan = decision.plan
+        donor = runtime.donor_tokens(plan.donor_handle)
+        new_prompt = substituted_prompt(tokens, donor, plan)
+        if new_prompt is None:
+            runtime.provider.forget(plan.donor_handle)
+            runtime.provider.record_declined(rid, Reason.DONOR_EVICTED)
+            return
+        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
+        context_len = int(getattr(scheduler.model_config, "context_len", 0) or 0)
+        if len(new_prompt) >= int(scheduler.max_req_input_len) or (
+            context_len and len(new_prompt) + int(max_new) > context_len
+        ):
+            runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
+            return
+        span = plan.spans[0]
+        served = self._cached_len(cache, new_prompt, namespace)
+        if served < span.donor_start + span.length:
+            runtime.provider.forget(plan.donor_handle)  # its KV left the tree
+            runtime.provider.record_declined(rid, Reason.DONOR_EVICTED)
+            return
+        if req.origin_input_ids_unpadded is req.origin_input_ids:
+            req.origin_input_ids_unpadded = new_prompt
+        req.origin_input_ids = new_prompt
+        req.full_untruncated_fill_ids = new_prompt + req.output_ids
+        runtime.provider.record_materialized(rid, max(0, served - exact_len))
+
+    @staticmethod
+    def _cached_len(cache: Any, tokens: Any, namespace: Namespace) -> int:
+        """Tokens of ``tokens`` the exact cache holds (device and host), via the original match."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(tokens, extra_key=namespace.extra_key, cache_salt=namespace.cache_salt)
+        match = UnifiedRadixCacheAdapter._original_match(cache)
+        found = match(cache, MatchPrefixParams(key=key))
+        return int(found.device_prefix_len) + int(getattr(found, "host_hit_length", 0) or 0)
+
+    @staticmethod
+    def _original_match(cache: Any) -> Any:
+        method = type(cache).match_prefix
+        return getattr(method, "__wrapped__", method)
+
+
+def substituted_prompt(tokens: Any, donor: Any, plan: ReusePlan) -> array | None:
+    """Substitute mode's rewritten prompt: ``donor[:a0] + tokens[a:]`` for the plan's first span
+    [a, b) <- [a0, b0) (so the new prompt starts with ``donor[:b0]``), as an ``array("q")``.
+
+    None when the donor's tokens are gone or do not match the span (the donor was dropped).
+    """
+    span = plan.spans[0]
+    if donor is None or len(donor) < span.donor_start + span.length:
+        return None
+    head = [int(t) for t in donor[: span.donor_start]]
+    same = donor[span.donor_start : span.donor_start + span.length]
+    tail = tokens[span.target_start :]
+    if [int(t) for t in same] != [int(t) for t in tail[: span.length]]:
+        return None
+    return array("q", head) + array("q", tail)
 
 
 def runtime_of_installed() -> SemblendRuntime | None:
