@@ -41,6 +41,7 @@ class Reason:
     CHUNK_SLOT_BUSY = "chunk_slot_busy"
     NO_CAPACITY = "no_capacity"
     UNSUPPORTED_CACHE = "unsupported_cache"
+    DONOR_ON_HOST = "donor_on_host"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -63,6 +64,7 @@ class Reason:
         CHUNK_SLOT_BUSY,
         NO_CAPACITY,
         UNSUPPORTED_CACHE,
+        DONOR_ON_HOST,
         OTHER,
     )
 

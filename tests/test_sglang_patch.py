@@ -252,6 +252,49 @@ def test_donor_evicted_between_lookup_and_copy_is_declined(
     _assert_drained(h)
 
 
+def test_donor_in_host_memory_is_kept_and_used_after_load_back_mock_host_tier(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HiCache's host pool needs CUDA (cudaHostRegister), so this CPU test fakes the host tier:
+    the donor match reports part of the donor's span as host-resident (host_hit_length), as
+    UnifiedRadixCache does for a path evicted to host memory. The plan is declined as
+    donor_on_host, the donor is kept, and once the path is device-resident again (what SGLang's
+    own load-back does) the next request materializes from it."""
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
+    runtime = adapter.runtime
+    real = type(adapter)._donor_match
+
+    def host_resident(cache: Any, params: Any, orig_match: Any) -> Any:
+        found = real(cache, params, orig_match)
+        moved = int(found.device_prefix_len) // 2
+        return found._replace(
+            device_prefix_len=int(found.device_prefix_len) - moved, host_hit_length=moved
+        )
+
+    monkeypatch.setattr(adapter, "_donor_match", host_resident)
+    target = _semantic_pair(h, passages, instructions)
+    h.run_until_idle()
+    assert target.finished()
+    snap = runtime.provider.snapshot()
+    assert snap["declined"].get("donor_on_host") == 1, snap
+    assert snap["outcomes"]["materialized"] == 0
+    assert len(runtime.provider.index) == 2  # donor kept, target registered
+    check_invariants(h, full_kv=True)
+
+    monkeypatch.setattr(adapter, "_donor_match", real)  # back on the device
+    doc = _document(passages, 2, 8)
+    again = h.submit(instructions[3] + doc, max_new_tokens=2)
+    h.run_until_idle()
+    assert again.finished()
+    assert runtime.provider.snapshot()["outcomes"]["materialized"] == 1
+    check_invariants(h, full_kv=True)
+    _assert_drained(h)
+
+
 # ---- install / uninstall -------------------------------------------------------------------
 
 

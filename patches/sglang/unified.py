@@ -323,8 +323,14 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             extra_key=ns.extra_key,
             cache_salt=ns.cache_salt,
         )
-        found = orig_match(cache, MatchPrefixParams(key=key))
-        if int(found.device_prefix_len) < donor_end:
+        found = self._donor_match(cache, MatchPrefixParams(key=key), orig_match)
+        on_device = int(found.device_prefix_len)
+        if on_device < donor_end:
+            if on_device + int(getattr(found, "host_hit_length", 0) or 0) >= donor_end:
+                # HiCache holds the rest in host memory: keep the donor; it is used again once
+                # SGLang's own load-back (an exact hit on it) brings it to the device.
+                runtime.decline(rid, Reason.DONOR_ON_HOST)
+                return
             runtime.provider.forget(plan.donor_handle)
             runtime.decline(rid, Reason.DONOR_EVICTED)
             return
@@ -367,6 +373,11 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
         state.phase = "materialized"
         runtime.provider.record_materialized(rid, n)
+
+    @staticmethod
+    def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
+        """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
+        return orig_match(cache, params)
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:
