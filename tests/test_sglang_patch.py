@@ -295,6 +295,29 @@ def test_donor_in_host_memory_is_kept_and_used_after_load_back_mock_host_tier(
     _assert_drained(h)
 
 
+def test_cache_reset_forgets_every_donor(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=4096), model_config)
+    h.submit(instructions[0] + _document(passages, 2, 8))
+    h.run_until_idle()
+    assert len(adapter.runtime.provider.index) == 1
+    # What Scheduler.flush_cache does (the harness is idle: no request holds slots).
+    h.cache.reset()
+    h.cache.req_to_token_pool.clear()
+    h.cache.token_to_kv_pool_allocator.clear()
+    assert len(adapter.runtime.provider.index) == 0
+    target = h.submit(instructions[5] + _document(passages, 2, 8), max_new_tokens=2)
+    h.run_until_idle()
+    assert target.finished()
+    snap = adapter.runtime.provider.snapshot()
+    assert snap["outcomes"]["materialized"] == 0 and "donor_evicted" not in snap["declined"]
+    check_invariants(h, full_kv=True)
+
+
 # ---- install / uninstall -------------------------------------------------------------------
 
 

@@ -85,6 +85,11 @@ class SemblendRuntime:
         handle: Hashable = next(self._handles)
         self.provider.register(namespace, handle, tokens)
 
+    def forget_all_donors(self) -> None:
+        """Drop every donor (the engine's cache was reset, so none of their KV exists)."""
+        for handle in self.provider.index.handles():
+            self.provider.forget(handle)
+
     def donor_tokens(self, handle: Hashable) -> Any:
         """The donor's tokens as the index keeps them, or None when it was dropped."""
         return self.provider.donor_tokens(handle)

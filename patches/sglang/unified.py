@@ -118,6 +118,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         orig_match = UnifiedRadixCache.match_prefix
         orig_checkpoint = UnifiedRadixCache.checkpoint
         orig_on_release = UnifiedRadixCache.on_release
+        orig_reset = UnifiedRadixCache.reset
         orig_select = PrefillAdder._select_prefill_admission
         orig_add_chunked = PrefillAdder.add_chunked_req
         orig_internal_state = SchedulerInternalStateController.get_internal_state
@@ -149,6 +150,14 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 runtime.release(req.rid)
             except Exception as exc:
                 runtime.fail("release", exc)
+
+        def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig_reset(self, *args, **kwargs)
+            try:  # /flush_cache and friends: every donor's KV is gone
+                runtime.forget_all_donors()
+            except Exception as exc:
+                runtime.fail("reset", exc)
+            return out
 
         def _select_prefill_admission(self: Any, req: Any, **kwargs: Any) -> Any:
             if getattr(self, _CUT_ATTR, False):
@@ -194,6 +203,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             (UnifiedRadixCache, "match_prefix"): match_prefix,
             (UnifiedRadixCache, "checkpoint"): checkpoint,
             (UnifiedRadixCache, "on_release"): on_release,
+            (UnifiedRadixCache, "reset"): reset,
             (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
             (PrefillAdder, "add_chunked_req"): add_chunked_req,
             (SchedulerInternalStateController, "get_internal_state"): get_internal_state,
@@ -241,6 +251,10 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             return
         if state.boundary <= exact_len:
             runtime.decline(rid, Reason.SPANS_TRIMMED_AWAY)
+            return
+        reason, _ = self._match_donor(cache, state, self._original_match(cache))
+        if reason is not None:  # checked again at the copy; this spares a needless chunk cut
+            runtime.decline(rid, reason)
 
     def _cache_supported(self, cache: Any) -> bool:
         pool = cache.token_to_kv_pool_allocator.get_kvcache()
@@ -302,37 +316,17 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             runtime.register_donor(_namespace_for(req), req.rid, list(prompt))
 
     def _materialize(self, cache: Any, req: Any, state: RequestReuse, orig_match: Any) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.common import evict_from_tree_cache
-        from sglang.srt.mem_cache.radix_cache import RadixKey
 
         from semblend_sglang.kernels import transfer_kv_sglang
 
         runtime = self.runtime
         rid = req.rid
-        plan = state.plan
-        donor = runtime.donor_tokens(plan.donor_handle)
         donor_end = state.donor_start + state.reused_tokens
-        if donor is None or len(donor) < donor_end:
-            runtime.provider.forget(plan.donor_handle)
-            runtime.decline(rid, Reason.DONOR_EVICTED)
-            return
         ns = state.namespace
-        key = RadixKey(
-            array("q", donor[:donor_end].tolist()),
-            extra_key=ns.extra_key,
-            cache_salt=ns.cache_salt,
-        )
-        found = self._donor_match(cache, MatchPrefixParams(key=key), orig_match)
-        on_device = int(found.device_prefix_len)
-        if on_device < donor_end:
-            if on_device + int(getattr(found, "host_hit_length", 0) or 0) >= donor_end:
-                # HiCache holds the rest in host memory: keep the donor; it is used again once
-                # SGLang's own load-back (an exact hit on it) brings it to the device.
-                runtime.decline(rid, Reason.DONOR_ON_HOST)
-                return
-            runtime.provider.forget(plan.donor_handle)
-            runtime.decline(rid, Reason.DONOR_EVICTED)
+        reason, found = self._match_donor(cache, state, orig_match)
+        if reason is not None:
+            runtime.decline(rid, reason)
             return
         spec = runtime.rope_spec(getattr(_server_args(), "model_path", None))
         if spec is None:
@@ -373,6 +367,35 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
         state.phase = "materialized"
         runtime.provider.record_materialized(rid, n)
+
+    def _match_donor(
+        self, cache: Any, state: RequestReuse, orig_match: Any
+    ) -> tuple[str | None, Any]:
+        """Match the donor's tokens up to its span's end in the tree: (None, match) when the span
+        is on the device; (donor_on_host, match) when HiCache holds the rest in host memory (the
+        donor is kept: it is used again once SGLang's own load-back, an exact hit on it, brings
+        it to the device); (donor_evicted, None) otherwise, and the donor is forgotten."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        handle = state.plan.donor_handle
+        donor = self.runtime.donor_tokens(handle)
+        donor_end = state.donor_start + state.reused_tokens
+        if donor is not None and len(donor) >= donor_end:
+            ns = state.namespace
+            key = RadixKey(
+                array("q", donor[:donor_end].tolist()),
+                extra_key=ns.extra_key,
+                cache_salt=ns.cache_salt,
+            )
+            found = self._donor_match(cache, MatchPrefixParams(key=key), orig_match)
+            on_device = int(found.device_prefix_len)
+            if on_device >= donor_end:
+                return None, found
+            if on_device + int(getattr(found, "host_hit_length", 0) or 0) >= donor_end:
+                return Reason.DONOR_ON_HOST, found
+        self.runtime.provider.forget(handle)
+        return Reason.DONOR_EVICTED, None
 
     @staticmethod
     def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
@@ -415,6 +438,12 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
             return
         span = plan.spans[0]
+        shift = span.donor_start - span.target_start
+        logprob_start = int(getattr(req, "logprob_start_len", -1))
+        if getattr(req, "return_logprob", False) and 0 <= logprob_start < span.target_start:
+            # Input logprobs over the replaced head would score the donor's tokens.
+            runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
+            return
         served = self._cached_len(cache, new_prompt, namespace)
         if served < span.donor_start + span.length:
             runtime.provider.forget(plan.donor_handle)  # its KV left the tree
@@ -424,6 +453,8 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             req.origin_input_ids_unpadded = new_prompt
         req.origin_input_ids = new_prompt
         req.full_untruncated_fill_ids = new_prompt + req.output_ids
+        if logprob_start >= 0:
+            req.logprob_start_len = logprob_start + shift  # same tokens, new positions
         runtime.provider.record_materialized(rid, max(0, served - exact_len))
 
     @staticmethod
