@@ -1,0 +1,191 @@
+"""Latency and quality metrics of the end-to-end bench: pure functions, no server.
+
+Latency: :func:`percentile`, :func:`summarize_ms`, :func:`miss_overhead`. Quality against a cold
+prefill of the same prompt: :func:`ppl_ratio` of a reference continuation teacher-forced through
+the server (:func:`input_logprobs_from_meta` reads SGLang's answer), :func:`greedy_agreement` /
+:func:`first_divergence` of greedy outputs, :func:`rouge_l` / :func:`rouge_l_ids`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+
+def _finite_or_inf(values: Sequence[float], what: str) -> list[float]:
+    out = [float(v) for v in values]
+    if not out:
+        raise ValueError(f"{what}: no values")
+    if any(math.isnan(v) for v in out):
+        raise ValueError(f"{what}: NaN in values")
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0 <= q <= 100) with linear interpolation between the closest
+    ranks, like ``numpy.percentile``'s default (``method="linear"``). ValueError if ``values``
+    is empty or has a NaN, or ``q`` is out of range."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], not {q}")
+    data = sorted(_finite_or_inf(values, "percentile"))
+    pos = (len(data) - 1) * (q / 100)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    frac = pos - lo
+    if frac == 0 or data[hi] == data[lo]:
+        return data[lo]
+    return data[lo] + (data[hi] - data[lo]) * frac
+
+
+def summarize_ms(values: Sequence[float]) -> dict[str, float | int]:
+    """``{"p50", "p90", "mean", "min", "max", "n"}`` of latencies given in milliseconds (the
+    result is in milliseconds too; multiply seconds by 1000 first). ValueError if empty."""
+    data = _finite_or_inf(values, "summarize_ms")
+    return {
+        "p50": percentile(data, 50),
+        "p90": percentile(data, 90),
+        "mean": math.fsum(data) / len(data),
+        "min": min(data),
+        "max": max(data),
+        "n": len(data),
+    }
+
+
+def miss_overhead(semblend: Sequence[float], vanilla: Sequence[float], q: float = 50) -> float:
+    """Relative TTFT cost of a miss: ``percentile(semblend, q) / percentile(vanilla, q) - 1``
+    (0.05 = 5% slower than vanilla SGLang on prompts with no donor)."""
+    base = percentile(vanilla, q)
+    if base <= 0:
+        raise ValueError(f"vanilla percentile must be positive, not {base}")
+    return percentile(semblend, q) / base - 1
+
+
+def fraction(part: float, whole: float) -> float | None:
+    """``part / whole``, or None when ``whole`` is 0 (e.g. reused tokens over prompt tokens,
+    hits over lookups, from the server's counters)."""
+    return None if whole == 0 else part / whole
+
+
+def perplexity(logprobs: Sequence[float]) -> float:
+    """``exp(-mean(logprobs))`` of natural-log token probabilities. ValueError if empty or NaN;
+    a ``-inf`` logprob gives ``inf``."""
+    data = _finite_or_inf(logprobs, "perplexity")
+    return math.exp(-math.fsum(data) / len(data))
+
+
+def ppl_ratio(test_logprobs: Sequence[float], cold_logprobs: Sequence[float]) -> float:
+    """``perplexity(test) / perplexity(cold)`` over the same reference tokens: 1.0 = the reused
+    KV predicts the reference exactly as well as a cold prefill; > 1 = worse. Computed as
+    ``exp(mean(cold) - mean(test))`` (no overflow for long references). ValueError if the two
+    differ in length, are empty, or hold NaN."""
+    test = _finite_or_inf(test_logprobs, "ppl_ratio test")
+    cold = _finite_or_inf(cold_logprobs, "ppl_ratio cold")
+    if len(test) != len(cold):
+        raise ValueError(f"ppl_ratio: {len(test)} test logprobs vs {len(cold)} cold logprobs")
+    return math.exp(math.fsum(cold) / len(cold) - math.fsum(test) / len(test))
+
+
+def greedy_agreement(a_ids: Sequence[Hashable], b_ids: Sequence[Hashable], n: int = 32) -> float:
+    """Fraction of the positions ``i < n`` where ``a[i] == b[i]``, over ``n`` positions.
+
+    A position present in only one sequence is a disagreement (one output stopped earlier); a
+    position missing from both counts as agreement (both stopped there, e.g. at EOS).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, not {n}")
+    agree = 0
+    for i in range(n):
+        in_a, in_b = i < len(a_ids), i < len(b_ids)
+        if (in_a and in_b and a_ids[i] == b_ids[i]) or (not in_a and not in_b):
+            agree += 1
+    return agree / n
+
+
+def first_divergence(a: Sequence[Hashable], b: Sequence[Hashable]) -> int | None:
+    """Index of the first position where ``a`` and ``b`` differ (a position present in only one
+    counts, so ``[1, 2]`` vs ``[1, 2, 3]`` gives 2), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _lcs_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b, start=1):
+            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l_ids(candidate: Sequence[Hashable], reference: Sequence[Hashable]) -> float:
+    """ROUGE-L F1 (beta = 1) of two token sequences: with ``L`` = length of their longest common
+    subsequence, ``P = L/len(candidate)``, ``R = L/len(reference)``, ``F = 2PR/(P+R)``. Two
+    empty sequences score 1.0; one empty sequence, or ``L == 0``, scores 0.0."""
+    if not candidate and not reference:
+        return 1.0
+    lcs = _lcs_length(candidate, reference)
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(candidate), lcs / len(reference)
+    return 2 * p * r / (p + r)
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 of two texts over whitespace-separated tokens (``str.split()``; case and
+    punctuation kept as they are)."""
+    return rouge_l_ids(candidate.split(), reference.split())
+
+
+def input_logprobs_from_meta(
+    meta_info: Mapping[str, Any], n: int, expected_ids: Sequence[int] | None = None
+) -> list[float]:
+    """The last ``n`` prompt-token logprobs of an SGLang ``/generate`` answer's ``meta_info``.
+
+    Format (sglang 0.5.23, ``TokenizerManager.add_logprob_to_meta_info`` /
+    ``detokenize_logprob_tokens``): with ``"return_logprob": true`` and ``"logprob_start_len":
+    s``, ``meta_info["input_token_logprobs"]`` is a list with one entry per prompt token from
+    position ``s`` on, each ``[logprob, token_id, text]`` (a tuple, sent as a JSON list; ``text``
+    is null unless ``"return_text_in_logprobs": true``). Entry ``k`` is log P(ids[s+k] |
+    ids[:s+k]) (natural log); entry 0 is always null (the scheduler's
+    ``SchedulerLogprobResultProcessor`` prepends None and drops the logit of the last token).
+
+    To teacher-force a reference ``ref`` after a prompt ``p``: send ``input_ids = p + ref``,
+    ``logprob_start_len = len(p) - 1``, ``max_new_tokens = 1``; the answer then has
+    ``len(ref) + 1`` entries and the last ``len(ref)`` are the reference's logprobs. Note that
+    SGLang caps a request's prefix match at ``logprob_start_len`` (``Req._compute_max_prefix_len``),
+    so the prompt can still be served from cache but the reference is always computed.
+
+    ``expected_ids``: if given, the token ids of those ``n`` entries must equal it (a check that
+    the right tokens were scored). ValueError when the key is missing, there are fewer than
+    ``n`` entries, one of the last ``n`` has no logprob, or the ids do not match.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, not {n}")
+    entries = meta_info.get("input_token_logprobs")
+    if entries is None:
+        raise ValueError("meta_info has no 'input_token_logprobs' (send return_logprob=true)")
+    if len(entries) < n:
+        raise ValueError(f"{len(entries)} input logprobs, need {n}")
+    tail = list(entries)[-n:]
+    out: list[float] = []
+    ids: list[int] = []
+    for k, entry in enumerate(tail):
+        if not isinstance(entry, Sequence) or len(entry) < 2:
+            raise ValueError(
+                f"input_token_logprobs[-{n - k}] is not [logprob, id, text]: {entry!r}"
+            )
+        if entry[0] is None:
+            raise ValueError(f"input_token_logprobs[-{n - k}] has no logprob (null)")
+        out.append(float(entry[0]))
+        ids.append(int(entry[1]))
+    if expected_ids is not None and list(expected_ids) != ids:
+        raise ValueError(
+            f"scored token ids {ids[:8]}... differ from the expected {list(expected_ids)[:8]}..."
+        )
+    return out
