@@ -90,6 +90,19 @@ def prepare_model_cmd(cache_dir: Path | None, force: bool) -> None:
     click.echo(str(folder))
 
 
+@main.command(
+    "bench",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def bench_cmd(ctx: click.Context) -> None:
+    """The benchmarks: the same as `python -m semblend_sglang.bench [JOB] [OPTIONS]`."""
+    from .bench.__main__ import main as bench_main
+
+    bench_main.main(list(ctx.args), prog_name="semblend-sglang bench")
+
+
 def _semblend_options(command: Any) -> Any:
     """Add a string option per Config field (validated together later) and --semblend-config."""
     command = click.option(

@@ -1,6 +1,7 @@
 """``python -m semblend_sglang.bench [JOB] [OPTIONS]``: the benchmark jobs.
 
-With no JOB the main job (``ttft``) runs with its defaults. Each job lives in its own module as a
+With no JOB the main job (``e2e``) runs with its defaults; options without a job name are the
+main job's (``python -m semblend_sglang.bench --quick``). Each job lives in its own module as a
 click command named ``command`` and is imported only when chosen.
 """
 
@@ -11,6 +12,10 @@ import importlib
 import click
 
 JOBS: dict[str, tuple[str, str]] = {
+    "e2e": (
+        "semblend_sglang.bench.e2e",
+        "Every workload vs vanilla SGLang and semblend: TTFT, hits, quality (main job).",
+    ),
     "ttft": ("semblend_sglang.bench.ttft", "TTFT of cold vs exact-repeat prompts on the server."),
     "provider": ("semblend_sglang.bench.provider", "Donor lookup latency and index memory."),
     "kernels": ("semblend_sglang.bench.kernels", "transfer_kv bandwidth against a plain copy."),
@@ -19,11 +24,17 @@ JOBS: dict[str, tuple[str, str]] = {
         "Semantic-hit TTFT vs cold and vs an exact hit of the same length; miss overhead.",
     ),
 }
-DEFAULT_JOB = "ttft"
+DEFAULT_JOB = "e2e"
 
 
 class _LazyJobs(click.Group):
-    """Click group whose subcommands are imported on first use."""
+    """Click group whose subcommands are imported on first use; arguments that do not start
+    with a job name go to the main job (``bench --quick`` is ``bench e2e --quick``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in JOBS and args[0] not in ("-h", "--help"):
+            args = [DEFAULT_JOB, *args]
+        return super().parse_args(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(JOBS)
@@ -43,7 +54,7 @@ class _LazyJobs(click.Group):
 @click.group(cls=_LazyJobs, invoke_without_command=True)
 @click.pass_context
 def main(ctx: click.Context) -> None:
-    """semblend-sglang benchmarks. Without a JOB, runs the main job (ttft) on its defaults."""
+    """semblend-sglang benchmarks. Without a JOB, runs the main job (e2e) on its defaults."""
     if ctx.invoked_subcommand is None:
         ctx.invoke(_LazyJobs().get_command(ctx, DEFAULT_JOB) or main)
 
