@@ -681,7 +681,7 @@ def command(
         if lengths
         else list(QUICK_LENGTHS if quick else FULL_LENGTHS)
     )
-    n_groups = groups or (1 if quick else 3)
+    n_groups = groups or (1 if quick else 2)
     workloads: list[Workload] = []
     if workload_file is not None:
         try:
