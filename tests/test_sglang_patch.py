@@ -165,6 +165,108 @@ def test_randomized_semantic_traffic_keeps_every_invariant(
     _assert_drained(harness)
 
 
+MULTI_SPAN = Config(
+    min_prompt_tokens=64,
+    min_reuse_tokens=32,
+    min_reuse_ratio=0.2,
+    strict_prefix_boundary=False,
+    max_spans=8,
+)
+
+
+@pytest.fixture
+def multi_span_adapter() -> Iterator[Any]:
+    unpatch_radix_cache()
+    installed = patch_radix_cache(MULTI_SPAN)
+    assert installed is not None
+    try:
+        yield installed
+    finally:
+        unpatch_radix_cache()
+
+
+def test_reordered_passages_reuse_every_span_with_its_own_shift(
+    multi_span_adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    runtime = multi_span_adapter.runtime
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
+    first, second = _document(passages, 3, 4), [t for p in passages[3][4:8] for t in p]
+    donor_tokens = instructions[0] + first + second
+    h.submit(donor_tokens)
+    h.run_until_idle()
+    target_tokens = instructions[1] + second + instructions[3] + first
+    target = h.submit(target_tokens, max_new_tokens=2)
+    checked: list[tuple[int, int, int, int]] = []  # (boundary, end, donor_start, delta) per span
+
+    def span_done() -> bool:
+        state = runtime.requests[target.rid]  # KeyError: the plan was dropped
+        done = state.index if state.phase == "head" else state.index + 1
+        if state.reused_any and len(checked) < done:
+            for span in state.spans[len(checked) : done]:
+                checked.append((span.target_start, span.target_end, span.donor_start, span.delta))
+                row = h.req_to_token_pool.req_to_token[target.kv.req_pool_idx]
+                dst = row[span.target_start : span.target_end].to(torch.int64)
+                key = RadixKey(array("q", donor_tokens[: span.donor_start + span.length]))
+                match = h.cache.match_prefix(MatchPrefixParams(key=key))
+                path = h.cache.path_device_indices(match.last_device_node)
+                src = path[span.donor_start : span.donor_start + span.length].to(torch.int64)
+                deltas = torch.full((dst.numel(),), span.delta, dtype=torch.int64)
+                spec = runtime.rope_spec(None)
+                for layer in (0, h.config.num_layers - 1):
+                    k = h.kv_pool.k_buffer[layer]
+                    torch.testing.assert_close(
+                        k[dst], rotate_k(k[src], deltas, spec, backend="torch"), rtol=0, atol=0
+                    )
+                    assert torch.equal(
+                        h.kv_pool.v_buffer[layer][dst], h.kv_pool.v_buffer[layer][src]
+                    )
+                h.mark_dirty(dst)
+        return state.phase == "materialized"
+
+    _step_until(h, lambda: target.rid in runtime.requests)
+    _step_until(h, span_done)
+    state = runtime.requests[target.rid]
+    assert len(state.spans) == 2 and len(checked) == 2
+    assert checked[0][3] != checked[1][3]  # the two passages moved by different shifts
+    assert checked[0][2] > checked[1][2]  # and in the other order than in the donor
+    h.run_until_idle()
+    assert target.finished()
+    snap = runtime.provider.snapshot()
+    assert snap["outcomes"]["materialized"] == 1
+    assert snap["reused_tokens"] == state.reused_total == sum(e - b for b, e, _, _ in checked)
+    assert state.reused_total >= len(first) + len(second) - 4 * MULTI_SPAN.sink_tokens
+    assert target.cached_tokens >= state.reused_total
+    check_invariants(h, full_kv=True)
+    _assert_drained(h)
+
+
+def test_randomized_multi_span_traffic_keeps_every_invariant(
+    multi_span_adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    harness = SglangCacheHarness(
+        HarnessConfig(pool_tokens=6144, chunked_prefill_size=256, max_running_requests=8),
+        model_config,
+    )
+    counts = _drive_random(harness, passages, instructions, 300, seed=11)
+    snap = multi_span_adapter.runtime.provider.snapshot()
+    print(f"multi-span run: {harness.stats} {counts} {snap['outcomes']} {snap['declined']}")
+    assert snap["outcomes"]["materialized"] >= 15, snap
+    assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
+    assert not multi_span_adapter.runtime.requests, "request state leaked past release"
+    _assert_drained(harness)
+
+
 # ---- faults ----------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from semblend_sglang.align import Span
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.namespace import Namespace
@@ -28,29 +29,61 @@ logger = logging.getLogger(__name__)
 class RequestReuse:
     """The reuse plan of one request and how far it got.
 
-    ``boundary`` (a') is where the request's own head ends and reused KV starts; ``end`` (b') is
-    where reuse ends. ``phase``: ``planned`` (looked up), ``head`` (the scheduler will end a
-    prefill chunk at ``boundary``), ``materialized`` (the request owns slots holding rotated donor
-    KV for ``[boundary, end)``; nothing from ``boundary`` on may be published).
+    Spans are materialized in target order. For the current span ``index``: ``boundary`` (a')
+    is where the request's own computation stops and reused KV starts, ``end`` (b') where reuse
+    ends. ``phase``: ``planned`` (looked up), ``head`` (the scheduler will end a prefill chunk
+    at ``boundary``), ``materialized`` (no further span will be materialized). Once any span
+    is materialized nothing from ``publish_cap`` (the first span's a') on may be published.
     """
 
     rid: str
     namespace: Namespace
     plan: ReusePlan
-    boundary: int
-    end: int
-    donor_start: int
+    spans: tuple[Span, ...]
+    index: int = 0
     phase: str = "planned"
+    reused_total: int = 0
+    """Tokens materialized so far, over all spans."""
+
+    @property
+    def span(self) -> Span:
+        """The span being (or last) materialized."""
+        return self.spans[self.index]
+
+    @property
+    def boundary(self) -> int:
+        """a' of the current span."""
+        return self.span.target_start
+
+    @property
+    def end(self) -> int:
+        """b' of the current span."""
+        return self.span.target_end
+
+    @property
+    def donor_start(self) -> int:
+        """Where the current span starts in the donor."""
+        return self.span.donor_start
 
     @property
     def reused_tokens(self) -> int:
-        """Tokens whose KV comes from the donor."""
-        return self.end - self.boundary
+        """Tokens of the current span whose KV comes from the donor."""
+        return self.span.length
 
     @property
     def delta(self) -> int:
-        """Position shift applied to the donor's keys."""
-        return self.boundary - self.donor_start
+        """Position shift applied to the donor's keys for the current span."""
+        return self.span.delta
+
+    @property
+    def publish_cap(self) -> int:
+        """The first span's a': the request publishes nothing from here on once it reused KV."""
+        return self.spans[0].target_start
+
+    @property
+    def reused_any(self) -> bool:
+        """True once at least one span's KV was copied into the request's slots."""
+        return self.reused_total > 0
 
 
 class SemblendRuntime:
@@ -96,24 +129,33 @@ class SemblendRuntime:
 
     # ----------------------------------------------------------------- requests
     def start(self, rid: str, namespace: Namespace, plan: ReusePlan) -> RequestReuse:
-        """Track ``plan`` for request ``rid``; only its first span is materialized."""
-        span = plan.spans[0]
-        state = RequestReuse(
-            rid=rid,
-            namespace=namespace,
-            plan=plan,
-            boundary=span.target_start,
-            end=span.target_end,
-            donor_start=span.donor_start,
-        )
+        """Track ``plan`` for request ``rid``; its spans are materialized in target order."""
+        spans = tuple(sorted(plan.spans, key=lambda s: s.target_start))
+        state = RequestReuse(rid=rid, namespace=namespace, plan=plan, spans=spans)
         self.requests[rid] = state
         return state
 
     def decline(self, rid: str, reason: str) -> None:
-        """The engine will not use the plan of ``rid``; the request continues normally."""
+        """The engine will not use (the rest of) the plan of ``rid``; the request continues
+        normally. A request that already reused a span keeps its state (its publish cap still
+        applies) and ends as materialized with the tokens reused so far."""
         self.settled.add(rid)
+        if self._stop_after_reuse(rid):
+            return
         if self.requests.pop(rid, None) is not None:
             self.provider.record_declined(rid, reason)
+
+    def finish_reuse(self, rid: str) -> None:
+        """No further span of ``rid`` is materialized; record its outcome (materialized)."""
+        self._stop_after_reuse(rid)
+
+    def _stop_after_reuse(self, rid: str) -> bool:
+        state = self.requests.get(rid)
+        if state is None or not state.reused_any:
+            return False
+        state.phase = "materialized"
+        self.provider.record_materialized(rid, state.reused_total)
+        return True
 
     def fail(self, where: str, exc: BaseException, rid: str | None = None) -> None:
         """An error in a hook: count it, log once, and make the request a cold fallback."""
@@ -131,7 +173,9 @@ class SemblendRuntime:
             )
         if rid is not None:
             self.settled.add(rid)
-        if rid is not None and self.requests.pop(rid, None) is not None:
+        if rid is not None and self._stop_after_reuse(rid):
+            self.provider.telemetry.record_error(where)  # reused KV stays, capped
+        elif rid is not None and self.requests.pop(rid, None) is not None:
             self.provider.record_cold_fallback(rid, where)
         else:
             self.provider.telemetry.record_error(where)

@@ -136,11 +136,12 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
         def checkpoint(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
             state = runtime.requests.get(getattr(req, "rid", None))
-            if state is not None and state.phase == "materialized":
-                up_to = min(up_to, state.boundary)
+            requested = up_to
+            if state is not None and state.reused_any:
+                up_to = min(up_to, state.publish_cap)
             orig_checkpoint(self, req, up_to=up_to, **kwargs)
             try:
-                adapter._after_checkpoint(self, req, up_to, orig_match)
+                adapter._after_checkpoint(self, req, requested, orig_match)
             except Exception as exc:
                 runtime.fail("checkpoint", exc, getattr(req, "rid", None))
 
@@ -309,8 +310,8 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 return
             self._materialize(cache, req, state, orig_match)
             return
-        if state is not None and state.phase == "materialized":
-            return
+        if state is not None and (state.phase == "materialized" or state.reused_any):
+            return  # its prompt is not in the tree past the publish cap: not a donor
         prompt = req.origin_input_ids
         if up_to >= len(prompt) >= runtime.config.min_prompt_tokens and _eligible(req):
             runtime.register_donor(_namespace_for(req), req.rid, list(prompt))
@@ -365,8 +366,14 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         req.kv.kv_allocated_len = state.end
         req.kv.kv_committed_len = state.end
         req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
-        state.phase = "materialized"
-        runtime.provider.record_materialized(rid, n)
+        state.reused_total += n
+        if state.index + 1 == len(state.spans):
+            runtime.finish_reuse(rid)
+            return
+        state.index += 1  # the scheduler computes [end, next boundary) first, then we copy
+        state.phase = "head"
+        if state.boundary == req.extend_end:  # adjacent spans: nothing to compute between
+            self._materialize(cache, req, state, orig_match)
 
     def _match_donor(
         self, cache: Any, state: RequestReuse, orig_match: Any
