@@ -3,9 +3,18 @@
 :func:`align` returns the spans a greedy longest-first selection picks: repeatedly take the longest
 run ``target[i:i+L] == donor[j:j+L]`` whose target and donor positions are all still unused (ties:
 smallest ``i``, then smallest ``j``), until no run of at least ``min_length`` is left. Spans never
-overlap in the target or in the donor, and any number of them, at any shifts, are found. Runs are
-seeded by k-gram hash anchors (``k = min_length``) and measured token by token along each anchored
-diagonal, so they extend past chunk and anchor edges and never rely on a hash being collision-free.
+overlap in the target or in the donor, and any number of them, at any shifts, are found.
+
+How: the target is sampled with k-gram anchors at every ``stride``-th position (``k + stride - 1 ==
+min_length``, so every stretch of ``min_length`` target tokens holds a whole sampled k-gram); each
+donor k-gram, at every position, is looked up in a small hash table of the sampled ones. An equal
+pair names a diagonal (shift ``i - j``); tokens are then compared along each such diagonal, so
+runs extend past chunk and anchor edges at both ends, and no result relies on a hash being
+collision-free. Every identical run of at least ``min_length`` tokens holds an anchor pair, so with
+:data:`UNBOUNDED` limits the result is exactly the greedy definition. The target side
+(:func:`anchors_of`) is built once per lookup and shared by every donor aligned against it; per
+donor the work is one pass of k-gram hashes plus a few table probes, with no sorting of donor
+tokens and no Python loop over positions.
 
 :func:`fuzzy_chunk_matches` (rapidfuzz) pairs near-identical chunks; only the substitute mode
 uses it. Everything here is a pure function of its inputs.
@@ -14,11 +23,16 @@ uses it. Everything here is a pure function of its inputs.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 import numpy as np
 
-from .chunking import Chunks, kgram_hashes, minimizer_positions, token_hashes
+from .chunking import Chunks, kgram_hashes, poly_prefix, strided_window_hashes, token_prefix
+
+_U64 = np.uint64
+_GATHER_LIMIT = 1 << 18
+"""Diagonal overlaps (tokens in all) up to which many diagonals are compared in one gather."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -49,10 +63,11 @@ class Span:
 class AlignLimits:
     """Work bounds for :func:`align` on repetitive input (``None``: unbounded, exact greedy).
 
-    ``max_anchor_pairs``: at most this many (target, donor) k-gram anchor pairs are used, rarest
-    k-grams first; ``max_diagonals``: at most this many shifts are measured, those with the most
-    anchors first (ties: smaller shift). Real text stays far below both defaults; a run of one
-    repeated token would otherwise cost target x donor work.
+    ``max_anchor_pairs``: at most this many (target anchor, donor position) pairs of equal
+    k-grams are used, target anchors with the fewest donor matches first (ties: smaller target
+    position); ``max_diagonals``: at most this many shifts are measured, those with the most
+    anchor pairs first (ties: smaller shift). Real text stays far below both defaults; a run of
+    one repeated token would otherwise cost target x donor work.
     """
 
     max_anchor_pairs: int | None = 65536
@@ -63,108 +78,325 @@ UNBOUNDED = AlignLimits(max_anchor_pairs=None, max_diagonals=None)
 """Limits under which :func:`align` is exactly the greedy longest-first selection."""
 
 
+def anchor_geometry(min_length: int) -> tuple[int, int]:
+    """``(k, stride)`` of the target anchors for ``min_length``: k-grams of ``k`` tokens at every
+    ``stride``-th target position, ``k + stride - 1 == min_length``."""
+    k = max(1, min_length // 2)
+    return k, min_length - k + 1
+
+
 @dataclass(frozen=True, slots=True)
 class Anchors:
-    """Minimizer anchors of one sequence for a given ``min_length``: the selected positions and
-    their k-gram hashes (``k + w - 1 == min_length``). Build with :func:`anchors_of`."""
+    """Sampled k-gram anchors of one target for a given ``min_length``: the target positions
+    ``0, stride, 2 * stride, ...`` (those with a whole k-gram inside the target) and their
+    k-gram hashes, plus a lookup table over them. Build with :func:`anchors_of`; immutable, so
+    one instance can serve concurrent lookups."""
 
     min_length: int
-    positions: np.ndarray
+    k: int
+    stride: int
     hashes: np.ndarray
+    # Lookup table (internal): `_table[hash >> _shift]` is 1 + the index of the only anchor in
+    # that bucket, 0 for none, -1 for several (equal hashes or not; `_shared` tells whether any
+    # bucket is so marked). `_check[1 + i]` is anchor i's hash; `_check[-1]` is a sentinel that
+    # no donor k-gram in a -1 bucket can equal.
+    _table: np.ndarray
+    _shift: int
+    _check: np.ndarray
+    _shared: bool
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Target position of each anchor."""
+        return np.arange(0, self.hashes.size * self.stride, self.stride, dtype=np.int64)
 
 
-def anchors_of(tokens: np.ndarray, min_length: int, hashes: np.ndarray | None = None) -> Anchors:
-    """Anchors of ``tokens`` (``hashes``: its :func:`token_hashes`, when already computed).
+def anchors_of(
+    tokens: np.ndarray,
+    min_length: int,
+    hashes: np.ndarray | None = None,
+    prefix: np.ndarray | None = None,
+) -> Anchors:
+    """Target anchors of ``tokens`` for ``min_length`` (see :class:`Anchors`).
 
-    Every identical stretch of ``min_length`` tokens in two sequences holds an anchor of each
-    at the same relative position, with equal hashes."""
-    k = max(1, min_length // 2)
-    w = min_length - k + 1
-    kh = kgram_hashes(token_hashes(tokens) if hashes is None else hashes, k)
-    if kh.size == 0:
-        empty = np.empty(0, dtype=np.int64)
-        return Anchors(min_length, empty, np.empty(0, dtype=np.uint64))
-    pos = minimizer_positions(kh, w)
-    return Anchors(min_length, pos, kh[pos])
+    ``hashes``: :func:`~semblend_sglang.chunking.token_hashes` of ``tokens``; ``prefix``:
+    :func:`~semblend_sglang.chunking.poly_prefix` of those (or
+    :func:`~semblend_sglang.chunking.token_prefix` of the tokens), when already computed. Every
+    identical stretch of ``min_length`` tokens between ``tokens`` and any donor holds a sampled
+    k-gram of ``tokens`` whose donor copy has the same hash."""
+    if min_length < 1:
+        raise ValueError(f"min_length must be >= 1, got {min_length}")
+    k, stride = anchor_geometry(min_length)
+    if int(tokens.size) < min_length:
+        none = np.empty(0, dtype=_U64)
+        return Anchors(min_length, k, stride, none, np.zeros(1, np.int32), 63, none, False)
+    if prefix is None:
+        prefix = token_prefix(tokens) if hashes is None else poly_prefix(hashes)
+    values = strided_window_hashes(prefix, k, stride)
+    # Bucket table on the top bits of the hash: at least 64 slots per anchor, so few donor
+    # k-grams land in an occupied bucket and few buckets hold two anchors
+    bits = max(4, min(22, int(values.size * 64 - 1).bit_length()))
+    shift = 64 - bits
+    buckets = (values >> _U64(shift)).view(np.int64)
+    code = np.arange(1, values.size + 1, dtype=np.int32)
+    table = np.zeros(1 << bits, dtype=np.int32)
+    table[buckets] = code  # several anchors in one bucket: one wins, the bucket is marked next
+    lost = buckets[table[buckets] != code]
+    if lost.size:
+        table[lost] = -1
+    # The sentinel read through code -1 lies in an empty bucket, so no donor k-gram that reaches
+    # it (all of those lie in buckets marked -1) can equal it.
+    empty = 0
+    while table[empty] != 0:
+        empty += 1
+    check = np.empty(values.size + 2, dtype=_U64)
+    check[1:-1] = values
+    check[0] = check[-1] = empty << shift
+    return Anchors(min_length, k, stride, values, table, shift, check, bool(lost.size))
 
 
-def _anchor_diagonals(t_anchor: Anchors, d_anchor: Anchors, limits: AlignLimits) -> np.ndarray:
-    """Distinct shifts ``i - j`` with an equal anchor pair, in deterministic order."""
-    if t_anchor.hashes.size == 0 or d_anchor.hashes.size == 0:
-        return np.empty(0, dtype=np.int64)
-    t_pos, tk = t_anchor.positions, t_anchor.hashes
-    d_pos, dk = d_anchor.positions, d_anchor.hashes
-    order = np.argsort(dk, kind="stable")
-    dk_sorted = dk[order]
-    lo = np.searchsorted(dk_sorted, tk, side="left")
-    hi = np.searchsorted(dk_sorted, tk, side="right")
-    counts = hi - lo
-    hit = np.flatnonzero(counts)
-    if hit.size == 0:
-        return np.empty(0, dtype=np.int64)
-    counts_hit = counts[hit]
-    if limits.max_anchor_pairs is not None and int(counts_hit.sum()) > limits.max_anchor_pairs:
-        # rarest k-grams first (stable: then by target position)
-        by_rarity = np.argsort(counts_hit, kind="stable")
-        keep_n = int(np.searchsorted(np.cumsum(counts_hit[by_rarity]), limits.max_anchor_pairs))
-        keep = np.sort(by_rarity[: max(keep_n, 1)])
-        hit, counts_hit = hit[keep], counts_hit[keep]
-    if int(counts_hit.max()) == 1:
-        diags = t_pos[hit] - d_pos[order[lo[hit]]]
-    else:
-        total = int(counts_hit.sum())
-        seg_start = np.cumsum(counts_hit) - counts_hit
-        idx = np.arange(total, dtype=np.int64) - np.repeat(seg_start - lo[hit], counts_hit)
-        diags = t_pos[np.repeat(hit, counts_hit)] - d_pos[order[idx]]
-    uniq, n_anchor = np.unique(diags, return_counts=True)
+def _anchor_pairs(
+    anchors: Anchors, donor_kgrams: np.ndarray, limits: AlignLimits
+) -> tuple[np.ndarray, np.ndarray]:
+    """(target position, donor position) pairs of equal k-gram hashes, within ``limits``."""
+    empty = np.empty(0, dtype=np.int64)
+    if anchors.hashes.size == 0 or donor_kgrams.size == 0:
+        return empty, empty
+    # hot path: ndarray methods and ufuncs only (numpy's Python-level helpers cost more)
+    slot = anchors._table[(donor_kgrams >> _U64(anchors._shift)).view(np.int64)]
+    cand = (slot != 0).nonzero()[0]  # (a bool mask has numpy's fast nonzero)
+    code = slot[cand]
+    probe = donor_kgrams[cand]
+    hit = (anchors._check[code] == probe).nonzero()[0]  # code -1 reads the sentinel
+    d_pos = cand[hit]
+    t_idx = code[hit].astype(np.int64)
+    t_idx -= 1
+    max_pairs = limits.max_anchor_pairs
+    if anchors._shared:
+        shared = (code < 0).nonzero()[0]
+        if shared.size:
+            s_probe, s_pos = probe[shared], cand[shared]
+            m = anchors.hashes.size
+            if s_probe.size * m <= 1 << 16:
+                flat = (s_probe[:, None] == anchors.hashes[None, :]).ravel().nonzero()[0]
+                rows = flat // m
+                d_pos = np.concatenate((d_pos, s_pos[rows]))
+                t_idx = np.concatenate((t_idx, flat - rows * m))
+            else:
+                ranges = _SortedAnchors(anchors, s_probe)
+                if max_pairs is not None and d_pos.size + ranges.total > max_pairs:
+                    return _limited_pairs(anchors, t_idx, d_pos, ranges, s_pos, max_pairs)
+                d_more, t_more = ranges.expand(s_pos)
+                d_pos = np.concatenate([d_pos, d_more])
+                t_idx = np.concatenate([t_idx, t_more])
+    if max_pairs is not None and d_pos.size > max_pairs:
+        return _limited_pairs(anchors, t_idx, d_pos, None, empty, max_pairs)
+    t_idx *= anchors.stride
+    return t_idx, d_pos
+
+
+class _SortedAnchors:
+    """For each of many donor k-gram hashes, the range of equal anchors in hash order."""
+
+    def __init__(self, anchors: Anchors, probe: np.ndarray) -> None:
+        self.order = np.argsort(anchors.hashes, kind="stable")
+        ordered = anchors.hashes[self.order]
+        self.lo = np.searchsorted(ordered, probe, side="left")
+        self.hi = np.searchsorted(ordered, probe, side="right")
+        self.count = self.hi - self.lo
+        self.total = int(self.count.sum())
+
+    def expand(
+        self, d_pos: np.ndarray, keep_sorted: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """All pairs (donor positions, anchor indices); only anchors whose hash-order index is in
+        ``keep_sorted`` (sorted) when given."""
+        lo, count = self.lo, self.count
+        if keep_sorted is not None:
+            lo = np.searchsorted(keep_sorted, self.lo)
+            count = np.searchsorted(keep_sorted, self.hi) - lo
+        total = int(count.sum())
+        seg = np.cumsum(count) - count
+        idx = np.arange(total, dtype=np.int64) - np.repeat(seg - lo, count)
+        if keep_sorted is not None:
+            idx = keep_sorted[idx]
+        return np.repeat(d_pos, count), self.order[idx].astype(np.int64)
+
+
+def _limited_pairs(
+    anchors: Anchors,
+    t_idx: np.ndarray,
+    d_pos: np.ndarray,
+    ranges: _SortedAnchors | None,
+    range_pos: np.ndarray,
+    max_pairs: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of the target anchors with the fewest donor matches (ties: target position)
+    until ``max_pairs`` (at least one anchor), as (target positions, donor positions). Pairs are
+    ``(t_idx, d_pos)`` plus, when given, every pair of ``ranges`` (donor positions
+    ``range_pos``), which are counted without being listed."""
+    m = anchors.hashes.size
+    per_anchor = np.bincount(t_idx, minlength=m)
+    if ranges is not None:
+        starts = np.bincount(ranges.lo, minlength=m + 1)
+        ends = np.bincount(ranges.hi, minlength=m + 1)
+        per_anchor[ranges.order] += np.cumsum(starts - ends)[:m]
+    matched = np.flatnonzero(per_anchor)
+    by_rarity = matched[np.argsort(per_anchor[matched], kind="stable")]
+    keep_n = int(np.searchsorted(np.cumsum(per_anchor[by_rarity]), max_pairs))
+    kept = np.zeros(m, dtype=bool)
+    kept[by_rarity[: max(keep_n, 1)]] = True
+    sel = kept[t_idx]
+    t_idx, d_pos = t_idx[sel], d_pos[sel]
+    if ranges is not None:
+        d_more, t_more = ranges.expand(range_pos, np.flatnonzero(kept[ranges.order]))
+        d_pos = np.concatenate([d_pos, d_more])
+        t_idx = np.concatenate([t_idx, t_more])
+    return t_idx * anchors.stride, d_pos
+
+
+def _diagonals(t_pos: np.ndarray, d_pos: np.ndarray, limits: AlignLimits) -> np.ndarray:
+    """Distinct shifts ``i - j`` of the anchor pairs (sorted), within ``max_diagonals``."""
+    if t_pos.size == 0:
+        return t_pos
+    diags = t_pos - d_pos
+    diags.sort()
+    starts = (diags[1:] != diags[:-1]).nonzero()[0]
+    if starts.size == 0:
+        return diags[:1]
+    starts += 1
+    uniq = np.concatenate((diags[:1], diags[starts]))
     if limits.max_diagonals is not None and uniq.size > limits.max_diagonals:
+        n_anchor = np.diff(np.concatenate([[0], starts, [diags.size]]))
         pick = np.lexsort((np.abs(uniq), uniq < 0, -n_anchor))[: limits.max_diagonals]
         uniq = np.sort(uniq[pick])
     return uniq
 
 
+def _one_diagonal_runs(
+    target: np.ndarray, donor: np.ndarray, diag: int, min_length: int, out: list
+) -> None:
+    """Append the maximal runs of at least ``min_length`` equal tokens on diagonal ``diag`` to
+    ``out`` as ``(-length, target_start, donor_start)``."""
+    a = max(diag, 0)
+    b = a - diag
+    m = min(target.size - a, donor.size - b)
+    if m < min_length:
+        return
+    stops = (target[a : a + m] != donor[b : b + m]).nonzero()[0]
+    if stops.size == 0:
+        out.append((-m, a, b))
+        return
+    first, last = int(stops[0]), int(stops[-1])
+    if first >= min_length:
+        out.append((-first, a, b))
+    if stops.size > 1:
+        gap = stops[1:] - stops[:-1]
+        gap -= 1
+        long = (gap >= min_length).nonzero()[0]
+        if long.size:
+            begin = (stops[long] + 1).tolist()
+            for g, s in zip(gap[long].tolist(), begin, strict=True):
+                out.append((-g, a + s, b + s))
+    if m - 1 - last >= min_length:
+        out.append((last + 1 - m, a + last + 1, b + last + 1))
+
+
 def _diagonal_runs(
-    target: np.ndarray, donor: np.ndarray, diag: int, min_length: int
+    target: np.ndarray, donor: np.ndarray, diags: np.ndarray, min_length: int
 ) -> list[tuple[int, int, int]]:
-    """Maximal runs of equal tokens on one diagonal: (length, target_start, donor_start)."""
-    i0 = max(diag, 0)
-    j0 = i0 - diag
-    n = min(target.size - i0, donor.size - j0)
-    if n < min_length:
-        return []
-    eq = target[i0 : i0 + n] == donor[j0 : j0 + n]
-    padded = np.empty(n + 2, dtype=np.int8)
-    padded[0] = 0
-    padded[-1] = 0
-    padded[1:-1] = eq
-    edges = np.diff(padded)
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
-    lengths = ends - starts
-    keep = lengths >= min_length
-    return [
-        (int(length), i0 + int(s), j0 + int(s))
-        for s, length in zip(starts[keep], lengths[keep], strict=True)
-    ]
+    """Maximal runs of equal tokens of at least ``min_length`` on the given diagonals, as
+    ``(-length, target_start, donor_start)``. Few diagonals are compared one slice each; many in
+    one vectorized pass, where each diagonal's overlap gets one extra, always-unequal slot so
+    runs never cross diagonals."""
+    out: list[tuple[int, int, int]] = []
+    if diags.size <= 4:
+        for diag in diags.tolist():
+            _one_diagonal_runs(target, donor, diag, min_length, out)
+        return out
+    i0 = np.maximum(diags, 0)
+    j0 = i0 - diags
+    size = np.minimum(target.size - i0, donor.size - j0)
+    keep = size >= min_length
+    if not keep.all():
+        i0, j0, size = i0[keep], j0[keep], size[keep]
+    if int(size.sum()) > _GATHER_LIMIT:  # long diagonals: slices beat index arrays
+        for diag in (i0 - j0).tolist():
+            _one_diagonal_runs(target, donor, diag, min_length, out)
+        return out
+    if size.size == 0:
+        return out
+    slots = size + 1  # the last slot of each diagonal is a separator
+    seg = np.cumsum(slots) - slots
+    total = int(seg[-1] + slots[-1])
+    rel = np.arange(total, dtype=np.int64) - np.repeat(seg, slots)
+    t_idx = np.repeat(i0, slots) + rel
+    d_idx = np.repeat(j0, slots) + rel
+    sep = seg + size
+    t_idx[sep] = 0
+    d_idx[sep] = 0
+    unequal = target[t_idx] != donor[d_idx]
+    unequal[sep] = True
+    stops = np.flatnonzero(unequal)
+    prev = np.empty_like(stops)
+    prev[0] = -1
+    prev[1:] = stops[:-1]
+    gap = stops - prev - 1
+    long = np.flatnonzero(gap >= min_length)
+    if long.size == 0:
+        return out
+    first = prev[long] + 1
+    out.extend(
+        (-g, t, d)
+        for g, t, d in zip(
+            gap[long].tolist(), t_idx[first].tolist(), d_idx[first].tolist(), strict=True
+        )
+    )
+    return out
+
+
+class _Used:
+    """Disjoint, sorted intervals of used positions (few: one per selected span)."""
+
+    __slots__ = ("ends", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def blocked(self, lo: int, hi: int, base: int, out: list[tuple[int, int]]) -> None:
+        """Append the used parts of ``[lo, hi)``, relative to ``base``, to ``out``."""
+        first = bisect_right(self.ends, lo)
+        last = bisect_left(self.starts, hi)
+        for x in range(first, last):
+            out.append((max(self.starts[x], lo) - base, min(self.ends[x], hi) - base))
+
+    def add(self, lo: int, hi: int) -> None:
+        at = bisect_left(self.starts, lo)
+        self.starts.insert(at, lo)
+        self.ends.insert(at, hi)
 
 
 def _free_pieces(
-    t_used: np.ndarray, d_used: np.ndarray, length: int, i: int, j: int, min_length: int
-) -> list[tuple[int, int, int]]:
-    """Sub-runs of run (i, j, length) whose target and donor positions are all unused."""
-    free = ~(t_used[i : i + length] | d_used[j : j + length])
-    if free.all():
-        return [(length, i, j)]
-    padded = np.zeros(length + 2, dtype=np.int8)
-    padded[1:-1] = free
-    edges = np.diff(padded)
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
-    return [
-        (int(e - s), i + int(s), j + int(s))
-        for s, e in zip(starts, ends, strict=True)
-        if e - s >= min_length
-    ]
+    t_used: _Used, d_used: _Used, length: int, i: int, j: int, min_length: int
+) -> list[tuple[int, int, int]] | None:
+    """None when run (i, j, length) is wholly unused; else its unused sub-runs of at least
+    ``min_length``, as ``(-length, target_start, donor_start)``."""
+    blocked: list[tuple[int, int]] = []
+    t_used.blocked(i, i + length, i, blocked)
+    d_used.blocked(j, j + length, j, blocked)
+    if not blocked:
+        return None
+    blocked.sort()
+    pieces = []
+    at = 0
+    for lo, hi in blocked:
+        if lo - at >= min_length:
+            pieces.append((at - lo, i + at, j + at))
+        at = max(at, hi)
+    if length - at >= min_length:
+        pieces.append((at - length, i + at, j + at))
+    return pieces
 
 
 def align(
@@ -190,28 +422,29 @@ def align(
         return ()
     if target_anchors is None or target_anchors.min_length != min_length:
         target_anchors = anchors_of(target, min_length)
-    diagonals = _anchor_diagonals(target_anchors, anchors_of(donor, min_length), limits)
-    heap: list[tuple[int, int, int]] = []
-    for diag in diagonals.tolist():
-        for length, i, j in _diagonal_runs(target, donor, diag, min_length):
-            heap.append((-length, i, j))
+    donor_kgrams = kgram_hashes(None, target_anchors.k, token_prefix(donor))
+    t_pos, d_pos = _anchor_pairs(target_anchors, donor_kgrams, limits)
+    heap = _diagonal_runs(target, donor, _diagonals(t_pos, d_pos, limits), min_length)
     if not heap:
         return ()
-    heapq.heapify(heap)
-    t_used = np.zeros(target.size, dtype=bool)
-    d_used = np.zeros(donor.size, dtype=bool)
     spans: list[Span] = []
+    if len(heap) == 1:
+        neg_len, i, j = heap[0]
+        return (Span(i, j, -neg_len),)
+    heapq.heapify(heap)
+    t_used = _Used()
+    d_used = _Used()
     while heap:
         neg_len, i, j = heapq.heappop(heap)
         length = -neg_len
         pieces = _free_pieces(t_used, d_used, length, i, j, min_length)
-        if len(pieces) == 1 and pieces[0] == (length, i, j):
+        if pieces is None:
             spans.append(Span(i, j, length))
-            t_used[i : i + length] = True
-            d_used[j : j + length] = True
+            t_used.add(i, i + length)
+            d_used.add(j, j + length)
             continue
-        for p_len, p_i, p_j in pieces:
-            heapq.heappush(heap, (-p_len, p_i, p_j))
+        for piece in pieces:
+            heapq.heappush(heap, piece)
     spans.sort()
     return tuple(spans)
 

@@ -1,11 +1,13 @@
 """Content-defined chunking and k-gram hashing over token ids, vectorized with numpy.
 
-Every hash here is a pure function of token ids (splitmix64 mixing, a fixed odd multiplier, 64-bit
-wrap-around arithmetic): no Python ``hash()``, no seed, no clock, so every process and every
+Every hash here is a pure function of token ids (fixed odd multipliers, polynomial hashing with
+64-bit wrap-around arithmetic): no Python ``hash()``, no seed, no clock, so every process and every
 tensor-parallel rank computes the same values. Chunk boundaries are chosen by the content of a small
 window of tokens, so the same text at another offset is cut into the same chunks (after the first
 boundary). Used by :mod:`semblend_sglang.index` (donor probing) and :mod:`semblend_sglang.align`
-(anchors).
+(anchors). A lookup runs these on every request, so they are a handful of whole-array passes
+written with ndarray methods and ufuncs: numpy's Python-level helpers (``np.diff``,
+``np.flatnonzero``, ``np.unique``, ...) cost several times more per call on arrays this small.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _MASK64 = (1 << 64) - 1
 POLY_BASE = 0x9E3779B97F4A7C15 | 1
 """Odd multiplier of the polynomial k-gram hash (odd, so it is invertible modulo 2**64)."""
 _POLY_BASE_INV = pow(POLY_BASE, -1, 1 << 64)
+_TOKEN_MUL = U64(0xFF51AFD7ED558CCD)
 
 TokenArray = np.ndarray
 
@@ -30,7 +33,14 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
     Raises ValueError for a non 1-D input or a negative id.
     """
-    arr = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
+    if (
+        type(token_ids) is np.ndarray
+        and token_ids.dtype == np.int64
+        and token_ids.flags.c_contiguous
+    ):
+        arr = token_ids
+    else:
+        arr = np.ascontiguousarray(np.asarray(token_ids), dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
     if arr.size and int(arr.min()) < 0:
@@ -60,81 +70,125 @@ def mix64_int(value: int) -> int:
     return z
 
 
-class _TokenTable:
-    """Thread-safe, growing table ``mix64(id + 1)`` for token ids, so hashing is one gather."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._table = mix64(np.arange(1, 65537, dtype=U64))
-
-    def lookup(self, tokens: np.ndarray) -> np.ndarray:
-        table = self._table
-        if tokens.size and int(tokens.max()) >= table.size:
-            with self._lock:
-                need = int(tokens.max()) + 1
-                if self._table.size < need:
-                    size = max(need, 2 * self._table.size)
-                    self._table = mix64(np.arange(1, size + 1, dtype=U64))
-                table = self._table
-        return table[tokens]
-
-
-_TOKEN_TABLE = _TokenTable()
-
-
 def token_hashes(tokens: np.ndarray) -> np.ndarray:
-    """Per-token 64-bit hashes: ``mix64(token_id + 1)`` (uint64 array of the same length).
+    """Per-token 64-bit hashes (uint64 array of the same length): ``id * M`` modulo 2**64, with
+    ``M`` a fixed odd constant (murmur3's), a bijection of 64-bit ids.
 
-    ``tokens`` must be a non-negative integer array (see :func:`as_token_array`).
+    The polynomial hashes built on these (:func:`poly_prefix`) are what every comparison uses;
+    they are uniform enough in their high bits to cut chunks and fill hash tables, and each
+    equality they suggest is confirmed on the tokens themselves before anything relies on it,
+    so no mixing beyond one multiply is needed (and the multiply folds into the powers, see
+    :func:`token_prefix`). ``tokens`` must be a non-negative integer array (see
+    :func:`as_token_array`).
     """
-    return _TOKEN_TABLE.lookup(tokens)
+    return np.asarray(tokens, dtype=np.int64).view(U64) * _TOKEN_MUL
 
 
 class _Powers:
-    """Thread-safe, growing cache of ``POLY_BASE**i`` and its inverse powers modulo 2**64."""
+    """Thread-safe, growing cache of ``POLY_BASE**i``, its inverse powers, and ``M * POLY_BASE**i``
+    (``M`` the multiplier of :func:`token_hashes`) modulo 2**64."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pow = np.ones(1, dtype=U64)
-        self._inv = np.ones(1, dtype=U64)
+        # one tuple, replaced whole, so a reader never pairs a new table with an old one
+        one = np.ones(1, dtype=U64)
+        self._arrays = (one, one, one * _TOKEN_MUL)
 
     def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        pw, inv = self._pow, self._inv
-        if pw.size >= n:
-            return pw, inv
+        """(powers, inverse powers), each with at least ``n`` elements."""
+        arrays = self.get3(n)
+        return arrays[0], arrays[1]
+
+    def get3(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(powers, inverse powers, ``M`` x powers), each with at least ``n`` elements."""
+        arrays = self._arrays
+        if arrays[0].size >= n:
+            return arrays
         with self._lock:
-            if self._pow.size < n:
-                size = max(n, 2 * self._pow.size, 8192)
+            if self._arrays[0].size < n:
+                size = max(n, 2 * self._arrays[0].size, 8192)
                 base = np.full(size, POLY_BASE, dtype=U64)
                 base[0] = 1
                 base_inv = np.full(size, _POLY_BASE_INV, dtype=U64)
                 base_inv[0] = 1
-                self._pow = np.cumprod(base, dtype=U64)
-                self._inv = np.cumprod(base_inv, dtype=U64)
-            return self._pow, self._inv
+                pw = np.cumprod(base, dtype=U64)
+                self._arrays = (pw, np.cumprod(base_inv, dtype=U64), pw * _TOKEN_MUL)
+            return self._arrays
 
 
 _POWERS = _Powers()
 
 
-def kgram_hashes(hashes: np.ndarray, k: int) -> np.ndarray:
+def poly_prefix(hashes: np.ndarray) -> np.ndarray:
+    """Prefix sums of the polynomial hash: ``out[i] = sum(hashes[t] * POLY_BASE**t, t < i)``
+    (uint64, wrapping modulo 2**64; ``len(hashes) + 1`` elements).
+
+    One pass serves every window length: :func:`window_hashes` reads any window off it. Callers
+    that hash the same tokens for chunking and for alignment anchors compute it once.
+    """
+    n = hashes.size
+    pw, _ = _POWERS.get(n + 1)
+    prefix = np.empty(n + 1, dtype=U64)
+    prefix[0] = 0
+    # uint64 array arithmetic wraps modulo 2**64 without warnings.
+    (hashes * pw[:n]).cumsum(out=prefix[1:])
+    return prefix
+
+
+def token_prefix(tokens: np.ndarray) -> np.ndarray:
+    """``poly_prefix(token_hashes(tokens))`` in one multiply and one running sum: the token
+    hash's multiplier is folded into the powers."""
+    n = int(tokens.size)
+    _, _, pw_m = _POWERS.get3(n + 1)
+    prefix = np.empty(n + 1, dtype=U64)
+    prefix[0] = 0
+    np.multiply(np.asarray(tokens, dtype=np.int64).view(U64), pw_m[:n], out=prefix[1:])
+    prefix[1:].cumsum(out=prefix[1:])
+    return prefix
+
+
+def window_hashes(prefix: np.ndarray, starts: np.ndarray, lengths: int | np.ndarray) -> np.ndarray:
+    """Polynomial hashes of the windows ``[starts[i], starts[i] + lengths[i])`` of the sequence
+    behind ``prefix`` (:func:`poly_prefix`): ``sum(hashes[s + t] * POLY_BASE**t, t < length)``,
+    the same value for the same tokens at any offset. ``lengths``: one int for all, or per window.
+    """
+    _, inv = _POWERS.get(prefix.size)
+    return (prefix[starts + lengths] - prefix[starts]) * inv[starts]
+
+
+def strided_window_hashes(prefix: np.ndarray, k: int, stride: int) -> np.ndarray:
+    """:func:`window_hashes` of the windows of ``k`` tokens starting at ``0, stride, 2 * stride,
+    ...`` that fit in the sequence behind ``prefix`` (two whole-array passes over strided views)."""
+    n = prefix.size - 1
+    if n < k:
+        return np.empty(0, dtype=U64)
+    last = (n - k) // stride * stride
+    _, inv = _POWERS.get(prefix.size)
+    return (prefix[k : last + k + 1 : stride] - prefix[: last + 1 : stride]) * inv[
+        : last + 1 : stride
+    ]
+
+
+def kgram_hashes(hashes: np.ndarray | None, k: int, prefix: np.ndarray | None = None) -> np.ndarray:
     """Polynomial hash of every window of ``k`` consecutive token hashes.
 
     Element ``i`` hashes ``hashes[i:i+k]``; the result has ``len(hashes) - k + 1`` elements (empty
     when the input is shorter than ``k``). Equal windows give equal values at any offset; unequal
-    windows collide with probability about 2**-64.
+    windows collide with probability about 2**-64. ``prefix``: :func:`poly_prefix` of ``hashes``
+    (or :func:`token_prefix` of the tokens) when already computed; ``hashes`` may then be None.
     """
-    n = hashes.size
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
+    if prefix is None:
+        if hashes is None:
+            raise ValueError("kgram_hashes needs hashes or prefix")
+        prefix = poly_prefix(hashes)
+    n = prefix.size - 1
     if n < k:
         return np.empty(0, dtype=U64)
-    pw, inv = _POWERS.get(n + 1)
-    # uint64 array arithmetic wraps modulo 2**64 without warnings.
-    prefix = np.empty(n + 1, dtype=U64)
-    prefix[0] = 0
-    np.cumsum(hashes * pw[:n], dtype=U64, out=prefix[1:])
-    out = (prefix[k:] - prefix[: n - k + 1]) * inv[: n - k + 1]
+    _, inv = _POWERS.get(n + 1)
+    out = prefix[k:] - prefix[: n - k + 1]
+    out *= inv[: n - k + 1]
     return out
 
 
@@ -142,9 +196,10 @@ def kgram_hashes(hashes: np.ndarray, k: int) -> np.ndarray:
 class ChunkParams:
     """Content-defined chunking parameters (all in tokens).
 
-    A boundary follows token ``i`` when the hash of the ``window`` tokens ending at ``i`` is 0
-    modulo ``avg`` (``avg`` a power of two), subject to ``min_size <= chunk length <= max_size``
-    (a chunk reaching ``max_size`` is cut there).
+    A boundary candidate follows token ``i`` when the hash of the ``window`` tokens ending at ``i``
+    has its top ``log2(avg)`` bits zero (``avg`` a power of two); candidates closer than
+    ``min_size`` to the previous candidate are skipped, and no chunk is longer than ``max_size``
+    (see :func:`_cut_points`).
     """
 
     window: int = 8
@@ -166,7 +221,8 @@ class ChunkParams:
 
 @dataclass(frozen=True, slots=True)
 class Chunks:
-    """Chunks of one token sequence: ``starts[i]:ends[i]`` has content hash ``hashes[i]``."""
+    """Chunks of one token sequence: ``starts[i]:ends[i]`` has content hash ``hashes[i]``
+    (uint64; equal content gives equal hashes at any offset)."""
 
     starts: np.ndarray
     ends: np.ndarray
@@ -181,105 +237,81 @@ class Chunks:
         return int(self.starts.size)
 
 
-def _cut_points(candidates: np.ndarray, n: int, params: ChunkParams) -> np.ndarray:
-    """Chunk end positions from boundary candidates, applying min/max chunk size."""
-    ends: list[int] = []
-    last = 0
-    lo, hi = params.min_size, params.max_size
-    for c in candidates.tolist():
-        while c - last > hi:
-            last += hi
-            ends.append(last)
-        if c - last >= lo:
-            ends.append(c)
-            last = c
-    while n - last > hi:
-        last += hi
-        ends.append(last)
-    if last < n:
-        ends.append(n)
-    return np.asarray(ends, dtype=np.int64)
+def _boundaries(
+    candidates: np.ndarray, n: int, params: ChunkParams
+) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk boundaries ``[0, e_1, ..., n]`` and chunk lengths from sorted boundary candidates in
+    ``[1, n)``.
+
+    A candidate is a boundary when the previous candidate (or the sequence start) lies at least
+    ``min_size`` tokens before it, a rule local to the content around it. A gap longer than
+    ``max_size`` between boundaries is cut every ``max_size`` tokens from its start (the piece
+    before the next boundary may then be shorter than ``min_size``). Vectorized (ndarray methods
+    and ufuncs only: numpy's Python-level helpers cost several times more on small arrays).
+    """
+    bounds = np.empty(candidates.size + 2, dtype=np.int64)
+    bounds[0] = 0
+    bounds[1:-1] = candidates
+    bounds[-1] = n
+    if candidates.size:
+        # keep candidate i when candidate i-1 (bounds[i]) lies min_size or more before it
+        keep = np.empty(bounds.size, dtype=bool)
+        np.greater_equal(bounds[1:-1] - bounds[:-2], params.min_size, out=keep[1:-1])
+        keep[0] = keep[-1] = True
+        bounds = bounds[keep]
+    lengths = bounds[1:] - bounds[:-1]
+    if lengths.max() <= params.max_size:
+        return bounds, lengths
+    forced = (lengths - 1) // params.max_size
+    total = int(forced.sum())
+    seg = forced.cumsum() - forced
+    step = np.arange(1, total + 1, dtype=np.int64) - seg.repeat(forced)
+    cuts = bounds[:-1].repeat(forced) + step * params.max_size
+    bounds = np.concatenate((bounds, cuts))
+    bounds.sort()
+    return bounds, bounds[1:] - bounds[:-1]
 
 
 def chunk_tokens(
-    tokens: np.ndarray, params: ChunkParams, hashes: np.ndarray | None = None
+    tokens: np.ndarray,
+    params: ChunkParams,
+    hashes: np.ndarray | None = None,
+    prefix: np.ndarray | None = None,
 ) -> Chunks:
     """Cut ``tokens`` (int64 array from :func:`as_token_array`) into content-defined chunks.
 
-    Boundaries and chunk hashes depend only on token content: a chunk's hash covers its own tokens
-    (the sum of the hashes of the windows that lie inside it, mixed with its length), never tokens
-    outside it. ``hashes``: :func:`token_hashes` of ``tokens`` when already computed. Pure
-    function; safe to call from any thread.
+    Boundaries and chunk hashes depend only on token content: a chunk's hash is the polynomial
+    hash of its own tokens (:func:`window_hashes`) XOR its length, never of tokens outside it (not
+    finalized: the index mixes it with the namespace salt). ``hashes``: :func:`token_hashes` of
+    ``tokens``, ``prefix``: :func:`poly_prefix` of those, when already computed. Pure function;
+    safe to call from any thread.
     """
     n = int(tokens.size)
     if n == 0:
         empty = np.empty(0, dtype=np.int64)
         return Chunks(empty, empty, np.empty(0, dtype=U64))
-    h = token_hashes(tokens) if hashes is None else hashes
+    if prefix is None:
+        prefix = token_prefix(tokens) if hashes is None else poly_prefix(hashes)
     w = params.window
-    win = kgram_hashes(h, w)  # win[i] covers tokens i .. i+w-1
-    if win.size:
-        # A boundary after the last token of window i (position i + w) when the top log2(avg)
-        # bits of the window hash are zero (the polynomial hash of mixed tokens is uniform).
-        shift = U64(64 - (params.avg.bit_length() - 1)) if params.avg > 1 else None
-        if shift is None:
-            cand = np.arange(win.size, dtype=np.int64) + w
-        else:
-            cand = np.flatnonzero((win >> shift) == 0) + w
-        cand = cand[cand < n]
-    else:
-        cand = np.empty(0, dtype=np.int64)
-    ends = _cut_points(cand, n, params)
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1]
-    lengths = ends - starts
-    # Per chunk: sum of window hashes of windows fully inside it, plus sum of token hashes
-    # (covers chunks shorter than the window), mixed with the length.
-    csum_h = np.zeros(n + 1, dtype=U64)
-    np.cumsum(h, dtype=U64, out=csum_h[1:])
-    tok_sum = csum_h[ends] - csum_h[starts]
-    if win.size:
-        csum_w = np.zeros(win.size + 1, dtype=U64)
-        np.cumsum(win, dtype=U64, out=csum_w[1:])
-        # windows i with starts <= i and i + w <= ends
-        w_lo = np.minimum(starts, win.size)
-        w_hi = np.clip(ends - w + 1, w_lo, win.size)
-        win_sum = csum_w[w_hi] - csum_w[w_lo]
-    else:
-        win_sum = np.zeros(ends.size, dtype=U64)
-    combined = win_sum * U64(0xD6E8FEB86659FD93) + tok_sum + lengths.astype(U64)
-    return Chunks(starts, ends, mix64(combined))
-
-
-def _sliding_reduce(values: np.ndarray, w: int, op: np.ufunc) -> np.ndarray:
-    """``op.reduce`` over every window of ``w`` consecutive values (length ``n - w + 1``)."""
-    out = values
-    span = 1
-    while span * 2 <= w:
-        out = op(out[:-span], out[span:])
-        span *= 2
-    if span < w:
-        rest = w - span
-        out = op(out[: out.size - rest], out[rest:])
-    return out
-
-
-def minimizer_positions(values: np.ndarray, w: int) -> np.ndarray:
-    """Sorted positions holding the minimum of at least one window of ``w`` consecutive values
-    (all positions when ``w == 1``).
-
-    Two sequences sharing ``w`` consecutive values both select the position of that stretch's
-    minimum, so they share a selected position inside it.
-    """
-    n = int(values.size)
-    if w <= 1 or n == 0:
-        return np.arange(n, dtype=np.int64)
+    _, inv = _POWERS.get(n + 1)
     if n <= w:
-        return np.flatnonzero(values == values.min())
-    window_min = _sliding_reduce(values, w, np.minimum)
-    padded = np.zeros(n + w - 1, dtype=values.dtype)
-    padded[w - 1 : w - 1 + window_min.size] = window_min
-    # position p lies in windows p-w+1 .. p; it is a window minimum iff it equals their max min
-    best_min = _sliding_reduce(padded, w, np.maximum)
-    return np.flatnonzero(values == best_min)
+        cand = np.empty(0, dtype=np.int64)
+    elif params.avg > 1:
+        # A candidate after the last token of window i (position i + w) when the top log2(avg)
+        # bits of the window hash are zero (the polynomial hash of mixed tokens is uniform);
+        # window i = n - w would put one at n, which is the end anyway.
+        below = U64(1 << (64 - (params.avg.bit_length() - 1)))
+        win = prefix[w:n] - prefix[: n - w]
+        win *= inv[: n - w]
+        cand = (win < below).nonzero()[0]
+        cand += w
+    else:
+        cand = np.arange(w, n, dtype=np.int64)
+    bounds, lengths = _boundaries(cand, n, params)
+    starts = bounds[:-1]
+    # window hash of [s, e): (prefix[e] - prefix[s]) * inv[s], then XOR the length
+    at = prefix[bounds]
+    content = at[1:] - at[:-1]
+    content *= inv[starts]
+    content ^= lengths.view(U64)
+    return Chunks(starts, bounds[1:], content)

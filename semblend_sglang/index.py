@@ -2,14 +2,18 @@
 
 Each donor is cut into content-defined chunks (:mod:`semblend_sglang.chunking`); the distinct chunk
 hashes, salted with the namespace, are its postings. Postings live in a few sorted numpy runs
-(merged like a log-structured tree: each run at least 4x the next one), so memory per donor is
-O(number of chunks): 12 bytes per distinct chunk, a 64-byte bottom-k sketch, the record and the
-engine's handle. The donor's tokens are kept (int32) only when the engine cannot give them back.
+(merged like a log-structured tree: each run more than 16x the next one, so a probe searches two
+to four up to 100,000 donors), so memory per donor is O(number of chunks): 12 bytes per distinct
+chunk, a 64-byte bottom-k sketch, the record and the engine's handle. A large run in which keys
+repeat (a document many donors share) also keeps its distinct keys, at most a quarter of its
+postings, and the probe searches that small, cache-resident array instead. The donor's tokens are
+kept (int32) only when the engine cannot give them back.
 
 A probe weighs each donor by the query tokens in chunks it shares (a lower bound of what alignment
-can reuse) and ranks by (shared tokens, sketch similarity, newest). Bounded by ``max_donors``,
-least recently used first out. Thread-safe (one lock). Deterministic: decisions depend only on the
-sequence of calls, never on time, randomness or Python's string hashing.
+can reuse) and ranks by (shared tokens, sketch similarity, newest). It runs as a fixed number of
+whole-array numpy steps per query (no Python loop over chunks or postings). Bounded by
+``max_donors``, least recently used first out. Thread-safe (one lock). Deterministic: decisions
+depend only on the sequence of calls, never on time, randomness or Python's string hashing.
 """
 
 from __future__ import annotations
@@ -22,19 +26,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunking import ChunkParams, Chunks, chunk_tokens, mix64
+from .chunking import ChunkParams, Chunks, chunk_tokens
 from .namespace import Namespace, namespace_salt
 
 U64 = np.uint64
 SKETCH_SIZE = 16
 """Bottom-k sketch size: the 16 smallest salted chunk keys, high 32 bits each (64 bytes)."""
-_MERGE_RATIO = 4
+_MERGE_RATIO = 16
+"""A run is merged into the one before it while that one holds at most this many times its
+postings."""
 MAX_POSTINGS_PER_KEY = 64
 """A probe reads at most this many postings per chunk key: the newest ones (postings of donors
 forgotten since count until compaction drops them). A chunk
 shared by thousands of donors (boilerplate, a popular document) then costs a bounded amount, and
 the donors it does return are the most recently registered, which are also the likeliest to still
 be resident."""
+_KEY_MUL = U64(0x94D049BB133111EB)
+_ONE = U64(1)
 _ID_DTYPE = np.uint32
 _MAX_ID = int(np.iinfo(_ID_DTYPE).max)
 
@@ -77,12 +85,16 @@ class Candidate:
 
 
 def salted_keys(chunks: Chunks, namespace: Namespace) -> np.ndarray:
-    """Posting keys of ``chunks`` in ``namespace``: mix64(chunk hash XOR namespace salt).
+    """Posting keys of ``chunks`` in ``namespace``: ``((chunk hash XOR namespace salt) * M) >> 1``
+    (``M`` a fixed odd constant): 63-bit, so ``key + 1`` never wraps.
 
     Returned in chunk order (not deduplicated). Keys of different namespaces never coincide
-    except by a 64-bit hash collision, which the namespace check on every candidate rules out.
+    except by a hash collision, which the namespace check on every candidate rules out.
     """
-    return mix64(chunks.hashes ^ U64(namespace_salt(namespace)))
+    keys = chunks.hashes ^ U64(namespace_salt(namespace))
+    keys *= _KEY_MUL
+    keys >>= _ONE
+    return keys
 
 
 def sketch_of(sorted_unique_keys: np.ndarray) -> bytes:
@@ -108,6 +120,82 @@ def sketch_similarities(query: bytes, others: list[bytes]) -> np.ndarray:
             inter = len(q & o)
             out[i] = inter / (len(q) + len(o) - inter)
     return out
+
+
+def _sketch_similarities_of_keys(keys: np.ndarray, others: list[bytes]) -> list[float]:
+    """:func:`sketch_similarity` of the sketch of ``keys`` (any order, duplicates allowed) with
+    each of ``others``; the same values as ``sketch_similarities(sketch_of(np.unique(keys)),
+    others)`` for a handful of sketches, in a few Python set operations."""
+    smallest = keys.copy()
+    smallest.sort()
+    q: set[int] = set()
+    prev = None
+    distinct = 0
+    for key in smallest.tolist():
+        if key != prev:
+            q.add(key >> 32)
+            prev = key
+            distinct += 1
+            if distinct == SKETCH_SIZE:
+                break
+    flat = np.frombuffer(b"".join(others), dtype=np.uint32).tolist()
+    out = []
+    at = 0
+    for other in others:
+        end = at + len(other) // 4
+        o = set(flat[at:end])
+        at = end
+        inter = len(q & o)
+        out.append(inter / (len(q) + len(o) - inter) if q and o else 0.0)
+    return out
+
+
+_DIRECTORY_MIN = 4096
+"""Runs with at least this many postings, and at least 4 postings per distinct key on average,
+keep a directory of their distinct keys."""
+
+
+class _Run:
+    """One sorted posting run: ``keys`` (uint64, ascending) and ``ids`` (donor ids, same order; a
+    key's postings in registration order). A run with many postings per distinct key (a
+    document many donors share) also keeps its distinct keys and where each one's postings start:
+    a probe searches that small array, which stays in cache, instead of the whole run."""
+
+    __slots__ = ("_distinct", "_starts", "ids", "keys")
+
+    def __init__(self, keys: np.ndarray, ids: np.ndarray) -> None:
+        self.keys = keys
+        self.ids = ids
+        self._distinct: np.ndarray | None = None
+        self._starts: np.ndarray | None = None
+        if keys.size >= _DIRECTORY_MIN:
+            new = keys[1:] != keys[:-1]
+            n_distinct = 1 + int(np.count_nonzero(new))
+            if 4 * n_distinct <= keys.size:
+                starts = np.empty(n_distinct + 1, dtype=np.int64)
+                starts[0] = 0
+                starts[1:-1] = new.nonzero()[0]
+                starts[1:-1] += 1
+                starts[-1] = keys.size
+                self._distinct = keys[starts[:-1]]
+                self._starts = starts
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the run's arrays."""
+        total = self.keys.nbytes + self.ids.nbytes
+        if self._distinct is not None and self._starts is not None:
+            total += self._distinct.nbytes + self._starts.nbytes
+        return total
+
+    def find(self, qkeys: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:
+        """Write the posting range ``[lo, hi)`` of each of ``qkeys`` to ``out[0]``, ``out[1]``
+        (``bounds``: ``qkeys`` then ``qkeys + 1``)."""
+        distinct, starts = self._distinct, self._starts
+        if distinct is None or starts is None:
+            out[:] = self.keys.searchsorted(bounds).reshape(2, qkeys.size)
+        else:  # an absent key finds the same distinct slot for k and k + 1: an empty range
+            out[:] = starts[distinct.searchsorted(bounds)].reshape(2, qkeys.size)
 
 
 class TokenIndex:
@@ -137,8 +225,10 @@ class TokenIndex:
         self._records: OrderedDict[int, DonorRecord] = OrderedDict()  # LRU order, oldest first
         self._by_handle: dict[Hashable, int] = {}
         self._alive = np.zeros(1024, dtype=bool)
+        # probe scratch, one slot per donor id (see `candidates`); written under the lock only
+        self._scratch = np.zeros(1024, dtype=np.int32)
         self._next_id = 0
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._runs: list[_Run] = []
         self._postings = 0
         self._live_postings = 0
 
@@ -164,6 +254,7 @@ class TokenIndex:
                 grown = np.zeros(max(2 * self._alive.size, donor_id + 1), dtype=bool)
                 grown[: self._alive.size] = self._alive
                 self._alive = grown
+                self._scratch = np.zeros(grown.size, dtype=np.int32)
             self._alive[donor_id] = True
             self._records[donor_id] = DonorRecord(
                 donor_id, handle, namespace, int(tokens.size), int(keys.size), sketch, copy
@@ -232,69 +323,97 @@ class TokenIndex:
         Reads at most ``max_postings_per_key`` postings per query key (the newest)."""
         if len(query) == 0:
             return []
-        qkeys_all = salted_keys(query, namespace)
-        qkeys, inverse = np.unique(qkeys_all, return_inverse=True)
-        weights = np.bincount(inverse.ravel(), weights=query.lengths, minlength=qkeys.size)
-        q_sketch = sketch_of(qkeys)
+        # A key occurring twice in the query is probed twice: each occurrence adds its own tokens
+        # to the donors it reads, the same sums as merging the two first. Hot path: ndarray
+        # methods and ufuncs only (numpy's Python-level helpers cost several times more here).
+        qkeys = salted_keys(query, namespace)
+        nq = qkeys.size
+        bounds = np.concatenate((qkeys, qkeys + _ONE))  # [k, k + 1): keys are 63-bit
+        cap = self.max_postings_per_key
         with self._lock:
-            id_parts: list[np.ndarray] = []
-            w_parts: list[np.ndarray] = []
-            # Runs are oldest first and a key's postings lie in registration order inside a run,
-            # so walking runs newest first and each run from its end reads the newest postings.
-            budget = np.full(qkeys.size, self.max_postings_per_key, dtype=np.int64)
-            # [k, k + 1) bounds in one search (k + 1 wraps to 0 only for k = 2**64 - 1: clamped)
-            bounds = np.concatenate([qkeys, qkeys + U64(1)])
-            nq = qkeys.size
-            for keys, ids in reversed(self._runs):
-                found = keys.searchsorted(bounds, side="left")
-                hi = np.maximum(found[nq:], found[:nq])
-                lo = np.maximum(found[:nq], hi - budget)
-                counts = hi - lo
-                budget -= counts
-                total = int(counts.sum())
-                if total == 0:
-                    continue
-                seg_start = np.cumsum(counts) - counts
-                idx = np.arange(total, dtype=np.int64) - np.repeat(seg_start - lo, counts)
-                id_parts.append(ids[idx].astype(np.int64))
-                w_parts.append(np.repeat(weights, counts))
-            if not id_parts:
+            runs = self._runs[::-1]  # newest first
+            if not runs:
                 return []
-            all_ids = np.concatenate(id_parts) if len(id_parts) > 1 else id_parts[0]
-            all_w = np.concatenate(w_parts) if len(w_parts) > 1 else w_parts[0]
+            # Per run and key: the postings [lo, hi) of the key. Runs are oldest first and a
+            # key's postings lie in registration order inside a run, so the newest postings of a
+            # key are the last ones of the newest runs: take them until the per-key budget.
+            found = np.empty((2, len(runs), nq), dtype=np.int64)  # [lo, hi] x run x key
+            for r, run in enumerate(runs):
+                run.find(qkeys, bounds, found[:, r])
+            hi = found[1]
+            take = hi - found[0]
+            np.minimum(take[0], cap, out=take[0])
+            if len(runs) == 2:
+                left = cap - take[0]  # budget left for the older run
+                np.minimum(take[1], left, out=take[1])
+            elif len(runs) > 2:
+                left = take.cumsum(axis=0)
+                left -= take
+                np.subtract(cap, left, out=left)  # budget left before each run
+                np.maximum(left, 0, out=left)
+                np.minimum(left, take, out=take)
+            counts = take.ravel()
+            seg_end = counts.cumsum()
+            total = int(seg_end[-1])
+            if total == 0:
+                return []
+            # posting x of segment (run, key) is at hi - take + (x - segment start)
+            idx = (hi.reshape(-1) - seg_end).repeat(counts)
+            idx += np.arange(total, dtype=np.int64)
+            run_end = seg_end[nq - 1 :: nq].tolist()
+            all_ids = np.empty(total, dtype=np.intp)
+            at = 0
+            for run, end in zip(runs, run_end, strict=True):
+                if end > at:
+                    all_ids[at:end] = run.ids[idx[at:end]]
+                at = end
+            lengths = np.subtract(query.ends, query.starts, dtype=np.float64)  # bincount weights
+            all_w = np.concatenate((lengths,) * len(runs)).repeat(counts)
             if self._postings != self._live_postings:
                 live = self._alive[all_ids]
                 all_ids, all_w = all_ids[live], all_w[live]
-            # per donor: query tokens in shared chunks (compact ids: the probe read few postings)
-            uniq_ids, inverse_ids = np.unique(all_ids, return_inverse=True)
-            uniq_scores = np.bincount(inverse_ids.ravel(), weights=all_w, minlength=uniq_ids.size)
-            keep_hit = uniq_scores >= min_shared_tokens
-            hit, hit_scores = uniq_ids[keep_hit], uniq_scores[keep_hit]
+                if all_ids.size == 0:
+                    return []
+            # per donor: query tokens in shared chunks
+            if self._next_id <= 4 * all_ids.size:  # few ids in all: one bin per id
+                sums = np.bincount(all_ids, weights=all_w)
+                hit = (sums >= min_shared_tokens).nonzero()[0]
+                hit_scores = sums[hit]
+            else:
+                # Group equal ids without sorting: every occurrence of an id reads back the
+                # same slot (whichever write won), and that slot is one of the id's own
+                # positions, so bins are per donor.
+                slot = self._scratch
+                slot[all_ids] = np.arange(all_ids.size, dtype=np.int32)
+                sums = np.bincount(slot[all_ids], weights=all_w, minlength=all_ids.size)
+                rep = (sums >= min_shared_tokens).nonzero()[0]
+                hit = all_ids[rep]
+                hit_scores = sums[rep]
             if hit.size == 0:
                 return []
-            scores = dict(zip(hit.tolist(), hit_scores.tolist(), strict=True))
             # shortlist: most shared tokens first, then newest id; ties at the cut are kept
             # (up to 4 x limit) so the sketch can rank them
-            order = np.lexsort((-hit, -hit_scores))
-            cut = min(limit, order.size) - 1
-            cut_score = hit_scores[order[cut]]
-            n_keep = max(limit, int(np.count_nonzero(hit_scores >= cut_score)))
-            shortlist = hit[order[: min(n_keep, 4 * limit)]]
+            top = np.lexsort((hit, hit_scores))[: -4 * limit - 1 : -1]
+            top_scores = hit_scores[top].tolist()
+            cut_score = top_scores[min(limit, len(top_scores)) - 1]
+            n_keep = max(limit, sum(1 for x in top_scores if x >= cut_score))
             records: list[DonorRecord] = []
-            for donor_id in shortlist.tolist():
+            scores: list[float] = []
+            for donor_id, score in zip(hit[top[:n_keep]].tolist(), top_scores, strict=False):
                 rec = self._records.get(donor_id)
                 if rec is not None and rec.namespace == namespace:
                     records.append(rec)
-            sims = sketch_similarities(q_sketch, [rec.sketch for rec in records])
+                    scores.append(score)
+        if not records:
+            return []
+        sims = _sketch_similarities_of_keys(qkeys, [rec.sketch for rec in records])
         ranked = sorted(
-            zip(records, sims.tolist(), strict=True),
-            key=lambda item: (-scores[item[0].donor_id], -item[1], -item[0].donor_id),
+            zip(records, scores, sims, strict=True),
+            key=lambda item: (-item[1], -item[2], -item[0].donor_id),
         )
         return [
-            Candidate(
-                rec.donor_id, rec.handle, rec.namespace, int(scores[rec.donor_id]), sim, rec.tokens
-            )
-            for rec, sim in ranked[:limit]
+            Candidate(rec.donor_id, rec.handle, rec.namespace, int(score), sim, rec.tokens)
+            for rec, score, sim in ranked[:limit]
         ]
 
     # ----------------------------------------------------------------- accounting
@@ -302,7 +421,8 @@ class TokenIndex:
         """Estimated bytes held by the index: posting runs, alive mask, records, sketches, token
         copies, and the two dicts (sys.getsizeof of the containers). Handles are the engine's."""
         with self._lock:
-            total = sum(k.nbytes + i.nbytes for k, i in self._runs) + self._alive.nbytes
+            total = sum(run.nbytes for run in self._runs)
+            total += self._alive.nbytes + self._scratch.nbytes
             total += sys.getsizeof(self._records) + sys.getsizeof(self._by_handle)
             for rec in self._records.values():
                 total += sys.getsizeof(rec) + sys.getsizeof(rec.sketch)
@@ -328,12 +448,10 @@ class TokenIndex:
         self._alive[donor_id] = False
         self._live_postings -= rec.n_keys
 
-    def _merge(
-        self, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _merge(self, a: _Run, b: _Run) -> _Run:
         """Merge two sorted runs (b after a for equal keys), dropping dead donors."""
-        ak, ai = a
-        bk, bi = b
+        ak, ai = a.keys, a.ids
+        bk, bi = b.keys, b.ids
         keep_a = self._alive[ai]
         keep_b = self._alive[bi]
         if not keep_a.all():
@@ -341,19 +459,19 @@ class TokenIndex:
         if not keep_b.all():
             bk, bi = bk[keep_b], bi[keep_b]
         pos = ak.searchsorted(bk, side="right")
-        return np.insert(ak, pos, bk), np.insert(ai, pos, bi)
+        return _Run(np.insert(ak, pos, bk), np.insert(ai, pos, bi))
 
     def _add_run(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        self._runs.append((keys, ids))
+        self._runs.append(_Run(keys, ids))
         self._postings += int(keys.size)
-        while len(self._runs) >= 2 and self._runs[-2][0].size <= _MERGE_RATIO * max(
-            self._runs[-1][0].size, 1
+        while len(self._runs) >= 2 and self._runs[-2].keys.size <= _MERGE_RATIO * max(
+            self._runs[-1].keys.size, 1
         ):
             b = self._runs.pop()
             a = self._runs.pop()
-            before = a[0].size + b[0].size
+            before = a.keys.size + b.keys.size
             merged = self._merge(a, b)
-            self._postings -= before - merged[0].size
+            self._postings -= before - merged.keys.size
             self._runs.append(merged)
 
     def _maybe_compact(self) -> None:
@@ -367,12 +485,12 @@ class TokenIndex:
         """One sorted run holding only live postings."""
         if not self._runs:
             return
-        keys = np.concatenate([k for k, _ in self._runs])
-        ids = np.concatenate([i for _, i in self._runs])
+        keys = np.concatenate([run.keys for run in self._runs])
+        ids = np.concatenate([run.ids for run in self._runs])
         keep = self._alive[ids]
         keys, ids = keys[keep], ids[keep]
         order = np.argsort(keys, kind="stable")
-        self._runs = [(keys[order], ids[order])] if keys.size else []
+        self._runs = [_Run(keys[order], ids[order])] if keys.size else []
         self._postings = int(keys.size)
 
     def _renumber(self) -> None:
@@ -386,7 +504,8 @@ class TokenIndex:
             records[new_id] = rec
             self._by_handle[rec.handle] = new_id
         self._records = records
-        self._runs = [(k, remap[i].astype(_ID_DTYPE)) for k, i in self._runs]
+        self._runs = [_Run(run.keys, remap[run.ids].astype(_ID_DTYPE)) for run in self._runs]
         self._next_id = len(records)
         self._alive = np.zeros(max(1024, 2 * self._next_id), dtype=bool)
         self._alive[: self._next_id] = True
+        self._scratch = np.zeros(self._alive.size, dtype=np.int32)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .align import Anchors, Span, align, anchors_of, fuzzy_chunk_matches
-from .chunking import ChunkParams, as_token_array, chunk_tokens, token_hashes
+from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
 from .config import Config
 from .embed import WindowedEmbedder, cosine, load_embedder
 from .index import Candidate, TokenIndex
@@ -251,8 +251,9 @@ class SemanticProvider:
         if early is not None:
             return early
         region = tokens[exact_len:]
-        region_hashes = token_hashes(region)
-        query = chunk_tokens(region, self.index.params, region_hashes)
+        # one polynomial prefix of the region serves both the chunk hashes and the anchors
+        region_prefix = token_prefix(region)
+        query = chunk_tokens(region, self.index.params, prefix=region_prefix)
         candidates = self.index.candidates(
             namespace,
             query,
@@ -262,7 +263,7 @@ class SemanticProvider:
         if not candidates:
             return Decision.decline(Reason.NO_DONOR)
         first_decline: Decision | None = None
-        anchors = anchors_of(region, config.min_span_tokens, region_hashes)
+        anchors = anchors_of(region, config.min_span_tokens, prefix=region_prefix)
         for cand in candidates:
             donor = self._donor_tokens(cand)
             if donor is None:
@@ -305,7 +306,11 @@ class SemanticProvider:
     ) -> Decision:
         config = self.config
         found = align(region, donor, min_length=config.min_span_tokens, target_anchors=anchors)
-        spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
+        spans = (
+            tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
+            if exact_len
+            else found
+        )
         similarity: float | None = None
         substitutions: tuple = ()
         if config.mode == "substitute":

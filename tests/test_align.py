@@ -14,10 +14,11 @@ from semblend_sglang.align import (
     AlignLimits,
     Span,
     align,
+    anchor_geometry,
     anchors_of,
     fuzzy_chunk_matches,
 )
-from semblend_sglang.chunking import ChunkParams, chunk_tokens
+from semblend_sglang.chunking import ChunkParams, chunk_tokens, token_prefix
 
 
 def brute_force(target: list[int], donor: list[int], min_length: int) -> tuple[Span, ...]:
@@ -185,5 +186,85 @@ def test_fuzzy_chunks_pair_near_identical_chunks_only(essay_ids: np.ndarray) -> 
     assert matches, "edited chunks are paired"
     for m in matches:
         assert m.similarity >= 0.8
-        assert m.target_end <= edited.size  # nothing from the unrelated text
+        # a paired chunk lies in the edited passage; one that straddles its end takes no more
+        # unrelated tokens than the 0.8 Indel similarity allows (0.2 x both chunk lengths)
+        assert m.target_start < edited.size
+        both = (m.target_end - m.target_start) + (m.donor_end - m.donor_start)
+        assert m.target_end - edited.size <= 0.2 * both
     assert sum(m.target_end - m.target_start for m in matches) > edited.size // 2
+
+
+def diagonal_oracle(target: np.ndarray, donor: np.ndarray, min_length: int) -> tuple[Span, ...]:
+    """The greedy definition again, for inputs too long for ``brute_force``: every step scans
+    every diagonal for its maximal runs of equal, unused tokens (no anchors, no hashing) and takes
+    the longest (ties: smallest target start, then smallest donor start)."""
+    t_used = np.zeros(target.size, dtype=bool)
+    d_used = np.zeros(donor.size, dtype=bool)
+    spans = []
+    while True:
+        best = None
+        for diag in range(-(donor.size - 1), target.size):
+            i0 = max(diag, 0)
+            j0 = i0 - diag
+            m = min(target.size - i0, donor.size - j0)
+            if m < min_length:
+                continue
+            ok = (target[i0 : i0 + m] == donor[j0 : j0 + m]) & ~t_used[i0 : i0 + m]
+            ok &= ~d_used[j0 : j0 + m]
+            edges = np.diff(np.concatenate([[0], ok.astype(np.int8), [0]]))
+            for s, e in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True):
+                if e - s >= min_length:
+                    key = (-(int(e) - int(s)), i0 + int(s), j0 + int(s))
+                    best = key if best is None or key < best else best
+        if best is None:
+            return tuple(sorted(spans))
+        length, i, j = -best[0], best[1], best[2]
+        spans.append(Span(i, j, length))
+        t_used[i : i + length] = True
+        d_used[j : j + length] = True
+
+
+@st.composite
+def planted_pairs(draw: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """Longer target/donor pairs: random tokens (a large or a tiny alphabet) with pieces of the
+    target copied into the donor at arbitrary offsets, so shared spans start and end anywhere
+    relative to chunk boundaries and to the sampled anchors."""
+    alphabet = draw(st.sampled_from([3, 50_000]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    target = rng.integers(0, alphabet, draw(st.integers(0, 400)))
+    donor = rng.integers(0, alphabet, draw(st.integers(0, 400)))
+    for _ in range(draw(st.integers(0, 4))):
+        if target.size == 0:
+            break
+        a = draw(st.integers(0, target.size - 1))
+        b = draw(st.integers(a, min(target.size, a + 160)))
+        at = draw(st.integers(0, donor.size))
+        donor = np.concatenate([donor[:at], target[a:b], donor[at:]])
+    return target, donor, draw(st.sampled_from([1, 2, 5, 16, 31, 32, 33, 64]))
+
+
+@settings(max_examples=120, deadline=None)
+@given(planted_pairs())
+def test_sampled_anchor_alignment_equals_the_oracle_on_longer_input(
+    case: tuple[np.ndarray, np.ndarray, int],
+) -> None:
+    """The target is sampled at every stride-th k-gram and every donor k-gram is looked up;
+    spans that start mid-chunk, between anchors, or at any shift are still found and extended
+    token by token, exactly as the definition."""
+    target, donor, min_length = case
+    want = diagonal_oracle(target, donor, min_length)
+    assert align(target, donor, min_length=min_length, limits=UNBOUNDED) == want
+    anchors = anchors_of(target, min_length, prefix=token_prefix(target))
+    got = align(target, donor, min_length=min_length, limits=UNBOUNDED, target_anchors=anchors)
+    assert got == want
+
+
+def test_anchor_sampling_covers_every_window_of_min_length() -> None:
+    for min_length in (1, 2, 3, 16, 31, 32, 33, 100):
+        k, stride = anchor_geometry(min_length)
+        assert k >= 1 and stride >= 1 and k + stride - 1 == min_length
+        positions = anchors_of(np.arange(500, dtype=np.int64), min_length).positions
+        for start in range(500 - min_length + 1):  # each window holds a whole sampled k-gram
+            inside = (positions >= start) & (positions + k <= start + min_length)
+            assert inside.any(), (min_length, start)

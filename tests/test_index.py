@@ -17,7 +17,7 @@ from semblend_sglang.chunking import (
     kgram_hashes,
     token_hashes,
 )
-from semblend_sglang.index import TokenIndex, sketch_similarity
+from semblend_sglang.index import TokenIndex, salted_keys, sketch_similarity
 from semblend_sglang.namespace import Namespace
 
 NS = Namespace("SmolLM2-135M-Instruct", "fp")
@@ -190,3 +190,78 @@ def test_probe_reads_only_the_newest_postings_of_a_hot_chunk(essay_ids: np.ndarr
     assert len(found[1_000_000]) == 5 and set(found[1_000_000]) <= set(range(32)), found
     with pytest.raises(ValueError, match="max_postings_per_key"):
         TokenIndex(PARAMS, 10, keep_tokens=True, max_postings_per_key=0)
+
+
+def reference_candidates(
+    donor_keys: list[np.ndarray],
+    query: np.ndarray,
+    *,
+    limit: int,
+    min_shared_tokens: int,
+    cap: int,
+) -> list[tuple[int, int]]:
+    """The probe's documented semantics, spelled out over all donors (registered in list order,
+    none forgotten): per query chunk, the newest ``cap`` donors holding its key each gain the
+    chunk's tokens; donors with at least ``min_shared_tokens`` are ranked by tokens, then newest;
+    ties at the cut are kept up to 4 x limit and ranked by (tokens, sketch similarity, newest).
+    ``donor_keys``: each donor's sorted distinct posting keys. Returns (donor index, shared
+    tokens) pairs."""
+    from semblend_sglang.index import sketch_of
+
+    key_sets = [set(k.tolist()) for k in donor_keys]
+    chunks = chunk_tokens(query, PARAMS)
+    score: dict[int, float] = {}
+    for key, length in zip(salted_keys(chunks, NS).tolist(), chunks.lengths.tolist(), strict=True):
+        holders = [i for i, keys in enumerate(key_sets) if key in keys]
+        for i in holders[-cap:]:
+            score[i] = score.get(i, 0.0) + length
+    hits = sorted(
+        ((s, i) for i, s in score.items() if s >= min_shared_tokens), key=lambda x: (-x[0], -x[1])
+    )
+    if not hits:
+        return []
+    cut_score = hits[min(limit, len(hits)) - 1][0]
+    n_keep = max(limit, sum(1 for s, _ in hits if s >= cut_score))
+    shortlist = hits[: min(n_keep, 4 * limit)]
+    q_sketch = sketch_of(np.unique(salted_keys(chunks, NS)))
+    ranked = sorted(
+        shortlist,
+        key=lambda x: (-x[0], -sketch_similarity(q_sketch, sketch_of(donor_keys[x[1]])), -x[1]),
+    )
+    return [(i, int(s)) for s, i in ranked[:limit]]
+
+
+@pytest.mark.parametrize("cap", [2, 8, 64])
+def test_probe_equals_its_definition_with_shared_documents(essay_ids: np.ndarray, cap: int) -> None:
+    """Many donors share one document (so the large posting runs keep a directory of distinct
+    keys), each behind its own head and cut at its own length; the probe, whichever grouping it
+    uses (cap 2 reads few postings of many ids; 64 reads many), ranks like the definition."""
+    document = essay_ids[60000:62400]
+    donors = []
+    for h in range(260):
+        head = essay_ids[(h * 977) % 140000 : (h * 977) % 140000 + 40 + h % 50]
+        body = document[(h * 37) % 400 : 1600 + (h * 53) % 800]
+        donors.append(np.concatenate([head, body]))
+    index = TokenIndex(PARAMS, 10_000, keep_tokens=False, max_postings_per_key=cap)
+    for h, tokens in enumerate(donors):
+        index.register(NS, h, tokens)
+    donor_keys = [np.unique(salted_keys(chunk_tokens(d, PARAMS), NS)) for d in donors]
+    assert any(run._distinct is not None for run in index._runs), "a run keeps a directory"
+    queries = [
+        np.concatenate([essay_ids[100000:100030], document[500:2100]]),
+        np.concatenate([document[1200:2400], essay_ids[5000:5600]]),
+        donors[17][::-1].copy(),  # chunks no donor has
+        np.concatenate([donors[250][:300], donors[3][100:900]]),
+    ]
+    found = 0
+    for query in queries:
+        for limit, min_shared in ((3, 64), (1, 1), (5, 500)):
+            got = index.candidates(
+                NS, chunk_tokens(query, PARAMS), limit=limit, min_shared_tokens=min_shared
+            )
+            want = reference_candidates(
+                donor_keys, query, limit=limit, min_shared_tokens=min_shared, cap=cap
+            )
+            found += bool(want)
+            assert [(c.handle, c.shared_tokens) for c in got] == want
+    assert found >= 6  # most probes find donors
