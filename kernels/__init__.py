@@ -4,7 +4,8 @@
 by a position delta; ``transfer_kv_sglang`` / ``transfer_kv_paged`` gather donor slots, rotate
 K and scatter K and V into recipient slots for all layers in one launch. Each Triton kernel
 (``*_triton``) sits beside the torch reference (``*_ref``) it is tested against; CPU tensors use
-the reference. See docs/kernels.md.
+the reference for rotate_k and ``transfer_cpu`` (bit-identical to the reference) for the
+transfer. See docs/kernels.md.
 """
 
 from semblend_sglang.kernels.dispatch import (

@@ -1,8 +1,9 @@
-"""Public entry points: rotate_k and transfer_kv_* choose Triton on CUDA, torch on CPU.
+"""Public entry points: rotate_k and transfer_kv_* choose Triton on CUDA, torch elsewhere.
 
-``backend`` overrides the choice: "triton" forces the kernel (on CPU only under
-TRITON_INTERPRET=1, for tests), "torch" forces the reference. Every entry point validates its
-arguments before touching memory; nothing here allocates or frees KV slots.
+Off CUDA, transfer_kv_* run ``transfer_cpu`` (torch, bit-identical to the reference, faster)
+and rotate_k runs the reference. ``backend`` overrides the choice: "triton" forces the kernel
+(on CPU only under TRITON_INTERPRET=1, for tests), "torch" forces the reference. Every entry
+point validates its arguments before touching memory; nothing here allocates or frees KV slots.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from semblend_sglang.kernels.kv_layouts import (
 )
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import rotate_k_ref
+from semblend_sglang.kernels.transfer_cpu import transfer_kv_blocks_cpu
+from semblend_sglang.kernels.transfer_ref import transfer_kv_blocks_ref
 
 Backend = Literal["auto", "triton", "torch"]
-"""Which implementation runs: "auto" is Triton for CUDA tensors and torch otherwise."""
+"""Which implementation runs: "auto" is Triton for CUDA tensors and torch otherwise (for
+transfer_kv_*, the fast path ``transfer_cpu``); "torch" is always the reference."""
 
 
 def _use_triton(device: torch.device, backend: Backend) -> bool:
@@ -65,10 +69,10 @@ def _run(
         from semblend_sglang.kernels.transfer_triton import transfer_kv_blocks_triton
 
         transfer_kv_blocks_triton(caches, src_slots, dst_slots, deltas, spec)
-    else:
-        from semblend_sglang.kernels.transfer_ref import transfer_kv_blocks_ref
-
+    elif backend == "torch":
         transfer_kv_blocks_ref(caches, src_slots, dst_slots, deltas, spec)
+    else:
+        transfer_kv_blocks_cpu(caches, src_slots, dst_slots, deltas, spec)
 
 
 def transfer_kv_sglang(
@@ -92,7 +96,8 @@ def transfer_kv_sglang(
     pool's ``dtype`` when it differs from its storage (fp8 e4m3 stored as uint8), with
     ``k_scales`` the per-layer K scales (``layer.k_scale``, None meaning 1.0). With
     ``validate`` (default) raises SlotOverlapError if src and dst overlap or dst repeats, and
-    ValueError for out-of-range slots, before anything is written. One Triton launch on CUDA.
+    ValueError for out-of-range slots, before anything is written. One Triton launch on CUDA;
+    on CPU a few torch ops per layer (``transfer_cpu``), the reference with ``backend="torch"``.
     """
     k4, v4 = sglang_views(k_buffers, v_buffers)
     caches = block_caches(k4, v4, spec, cache_dtype, k_scales)

@@ -222,7 +222,7 @@ def _sglang_case_caches(n_slots: int = 32) -> tuple[list[torch.Tensor], list[tor
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 @pytest.mark.parametrize(
     ("src", "dst", "error", "needle"),
     [

@@ -1,11 +1,14 @@
 """``python -m semblend_sglang.bench kernels``: transfer_kv bandwidth against a plain copy.
 
 For an SGLang-layout pool (per layer [slots, kv_heads, head_dim] K and V), moves ``tokens``
-donor slots to as many recipient slots in every layer: once with ``transfer_kv_sglang`` (gather,
-rotate K, scatter; slot checks included) and once with a plain torch copy of the same bytes
-(``index_select`` + ``index_copy_`` of K and V per layer), the copy bound. Bytes moved = bytes
-read + bytes written for K and V of all layers. On CUDA the Triton kernel runs; on CPU the torch
-reference does, and the output says so.
+donor slots to as many recipient slots in every layer: with ``transfer_kv_sglang`` (gather,
+rotate K, scatter; slot checks included), the same with ``validate=False``, and a plain torch
+copy of the same bytes (``index_select`` + ``index_copy_`` of K and V per layer), the copy
+bound. Bytes moved = bytes read + bytes written for K and V of all layers. On CUDA the Triton
+kernel runs; on CPU the torch fast path (``kernels/transfer_cpu.py``) runs, and the torch
+reference (``backend="torch"``) is timed beside it. The variants are timed interleaved (one call
+of each per round, after one warm-up call each), so load changes hit all of them alike; the
+median per variant is reported.
 """
 
 from __future__ import annotations
@@ -32,17 +35,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], None], device: torch.device, iters: int) -> float:
-    """Median seconds per call after one warm-up call."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
+def _time_interleaved(
+    fns: dict[str, Callable[[], None]], device: torch.device, iters: int
+) -> dict[str, float]:
+    """Median seconds per call of each function: one warm-up call each, then ``iters`` rounds
+    that call every function once, in order."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _device_name(device: torch.device) -> str:
@@ -68,7 +76,7 @@ def run_one(
     iters: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """Time transfer_kv_sglang and the plain copy for one dtype; returns the figures."""
+    """Time transfer_kv_sglang (and on CPU its reference) and the plain copy for one dtype."""
     slots = 2 * tokens + 1
     gen = torch.Generator(device="cpu").manual_seed(0)
     k_bufs = [
@@ -89,24 +97,25 @@ def run_one(
     def transfer_unchecked() -> None:
         transfer_kv_sglang(k_bufs, v_bufs, src, dst, deltas, spec, validate=False)
 
+    def reference() -> None:
+        transfer_kv_sglang(k_bufs, v_bufs, src, dst, deltas, spec, backend="torch")
+
     def copy() -> None:
         for buf in (*k_bufs, *v_bufs):
             buf.index_copy_(0, dst, buf.index_select(0, src))
 
     moved = 2 * 2 * layers * tokens * heads * head_dim * torch.finfo(dtype).bits // 8
-    t_transfer = _time(transfer, device, iters)
-    t_unchecked = _time(transfer_unchecked, device, iters)
-    t_copy = _time(copy, device, iters)
-    return {
-        "bytes_moved": float(moved),
-        "transfer_s": t_transfer,
-        "transfer_unchecked_s": t_unchecked,
-        "copy_s": t_copy,
-        "transfer_gbps": moved / t_transfer / 1e9,
-        "transfer_unchecked_gbps": moved / t_unchecked / 1e9,
-        "copy_gbps": moved / t_copy / 1e9,
-        "ratio": t_copy / t_transfer,
-    }
+    fns = {"transfer": transfer, "transfer_unchecked": transfer_unchecked, "copy": copy}
+    if device.type != "cuda":
+        fns["reference"] = reference
+    seconds = _time_interleaved(fns, device, iters)
+    out = {"bytes_moved": float(moved)}
+    out.update({f"{name}_s": t for name, t in seconds.items()})
+    out.update({f"{name}_gbps": moved / t / 1e9 for name, t in seconds.items()})
+    out["ratio"] = seconds["copy"] / seconds["transfer"]
+    if "reference" in seconds:
+        out["speedup_vs_reference"] = seconds["reference"] / seconds["transfer"]
+    return out
 
 
 @click.command(name="kernels")
@@ -125,7 +134,7 @@ def run_one(
     "--iters",
     default=None,
     type=int,
-    help="Timed calls per figure (default: 20 on CUDA, 3 on CPU); the median is reported.",
+    help="Timed rounds (default: 20 on CUDA, 5 on CPU); the median per variant is reported.",
 )
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
 def command(
@@ -137,10 +146,12 @@ def command(
     iters: int | None,
     device: str | None,
 ) -> None:
-    """Bytes moved per second by transfer_kv_sglang and by a plain torch copy (the copy bound)."""
+    """Bytes moved per second by transfer_kv_sglang and by a plain torch copy (the copy bound);
+    on CPU also by the torch reference."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    n_iters = iters or (20 if dev.type == "cuda" else 3)
-    path = "triton kernel" if dev.type == "cuda" else "torch reference (CPU; no Triton)"
+    cpu = dev.type != "cuda"
+    n_iters = iters or (5 if cpu else 20)
+    path = "torch fast path transfer_cpu (CPU; no Triton)" if cpu else "triton kernel"
     results: dict[str, Any] = {
         "job": "kernels",
         "date": date.today().isoformat(),
@@ -152,17 +163,27 @@ def command(
     }
     click.echo(f"transfer_kv vs plain copy on {results['device']}: transfer_kv runs the {path}")
     click.echo(f"{layers} layers x {heads} KV heads x {head_dim} dims x {tokens} tokens, K and V")
-    click.echo(
-        f"{'dtype':<10}{'MB moved':>10}{'transfer GB/s':>15}{'unchecked GB/s':>16}"
-        f"{'copy GB/s':>11}{'ratio':>7}"
+    header = (
+        f"{'dtype':<10}{'MB moved':>10}{'transfer ms':>13}{'transfer GB/s':>15}"
+        f"{'unchecked GB/s':>16}{'copy GB/s':>11}{'ratio':>7}"
     )
+    if cpu:
+        header += f"{'reference ms':>14}{'reference GB/s':>16}{'speedup':>9}"
+    click.echo(header)
     for name, dtype in DTYPES.items():
         r = run_one(dtype, layers, heads, head_dim, tokens, n_iters, dev)
         results["dtypes"][name] = r
-        click.echo(
-            f"{name:<10}{r['bytes_moved'] / 1e6:>10.0f}{r['transfer_gbps']:>15.2f}"
-            f"{r['transfer_unchecked_gbps']:>16.2f}{r['copy_gbps']:>11.2f}{r['ratio']:>7.2f}"
+        line = (
+            f"{name:<10}{r['bytes_moved'] / 1e6:>10.0f}{r['transfer_s'] * 1e3:>13.1f}"
+            f"{r['transfer_gbps']:>15.2f}{r['transfer_unchecked_gbps']:>16.2f}"
+            f"{r['copy_gbps']:>11.2f}{r['ratio']:>7.2f}"
         )
+        if cpu:
+            line += (
+                f"{r['reference_s'] * 1e3:>14.1f}{r['reference_gbps']:>16.2f}"
+                f"{r['speedup_vs_reference']:>9.2f}"
+            )
+        click.echo(line)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
         click.echo(f"wrote {json_path}")
