@@ -14,9 +14,9 @@ rotated K dims may come out as another NaN encoding). Only the data movement dif
   with block size > 1) index (block, offset) like the reference;
 - K's rotated dims are converted once per layer into one fp32 buffer, rotated there in place and
   rounded once back into the gathered rows;
-- tokens are moved in chunks of ``CHUNK_ELEMENTS`` K elements, all layers per chunk, so the fp32
-  buffers stay cache-sized; tables, fp32 buffers and gathered rows live in per-thread scratch
-  memory kept between calls, so a repeated call touches no fresh pages.
+- tables, fp32 buffers and gathered rows live in per-thread scratch memory kept between calls,
+  so a repeated call touches no fresh pages; tokens are moved in chunks of ``CHUNK_ELEMENTS`` K
+  elements, all layers per chunk, which bounds that memory.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16)
 
 CHUNK_ELEMENTS = 1 << 20
 """Tokens are moved in chunks of at most this many K elements (tokens * heads * head_dim, at
-least one token), so a chunk's fp32 buffers stay cache-sized (4 MiB each) and the scratch memory
-stays under ~25 MB whatever the transfer's length."""
+least one token), all layers per chunk, so the kept scratch memory stays under ~25 MB whatever
+the transfer's length."""
 
 
 class _Scratch(threading.local):
