@@ -38,15 +38,19 @@ __all__ = ["instructions", "model_config", "passages"]  # re-exported fixtures
 CONFIG = Config(min_prompt_tokens=64, min_reuse_tokens=32, min_reuse_ratio=0.2)
 
 
-@pytest.fixture
-def adapter() -> Iterator[Any]:
+def _installed(config: Config) -> Iterator[Any]:
     unpatch_radix_cache()
-    installed = patch_radix_cache(CONFIG)
+    installed = patch_radix_cache(config)
     assert installed is not None
     try:
         yield installed
     finally:
         unpatch_radix_cache()
+
+
+@pytest.fixture
+def adapter() -> Iterator[Any]:
+    yield from _installed(CONFIG)
 
 
 def _document(passages: list[list[list[int]]], essay: int, count: int) -> list[int]:
@@ -176,13 +180,7 @@ MULTI_SPAN = Config(
 
 @pytest.fixture
 def multi_span_adapter() -> Iterator[Any]:
-    unpatch_radix_cache()
-    installed = patch_radix_cache(MULTI_SPAN)
-    assert installed is not None
-    try:
-        yield installed
-    finally:
-        unpatch_radix_cache()
+    yield from _installed(MULTI_SPAN)
 
 
 def test_reordered_passages_reuse_every_span_with_its_own_shift(
