@@ -42,6 +42,7 @@ class Reason:
     NO_CAPACITY = "no_capacity"
     UNSUPPORTED_CACHE = "unsupported_cache"
     DONOR_ON_HOST = "donor_on_host"
+    ABORTED = "aborted"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -65,6 +66,7 @@ class Reason:
         NO_CAPACITY,
         UNSUPPORTED_CACHE,
         DONOR_ON_HOST,
+        ABORTED,
         OTHER,
     )
 

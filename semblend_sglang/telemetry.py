@@ -2,7 +2,8 @@
 
 Outcomes: exact, discovery_only, materialized (with reused tokens), declined (with a reason from
 :class:`semblend_sglang.plan.Reason`), cold_fallback. Also a lookup-latency histogram, a donor
-gauge and error counts. The provider is the only caller of the ``record_*`` methods; it enforces
+gauge, error counts, and the time spent in the engine's hooks (what semblend adds to the
+scheduler loop). The provider is the only caller of the ``record_*`` methods; it enforces
 "one outcome per request". Latency is measured for reporting only and never feeds a decision.
 Works without prometheus_client (the snapshot still counts).
 """
@@ -21,6 +22,7 @@ SERIES = {
     "declined": "semblend_declined_total",
     "reused_tokens": "semblend_reused_tokens_total",
     "lookup_seconds": "semblend_lookup_seconds",
+    "hook_seconds": "semblend_hook_seconds",
     "donors": "semblend_donors",
     "errors": "semblend_errors_total",
     "similarity": "semblend_discovery_similarity",
@@ -69,6 +71,11 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
                 buckets=_LATENCY_BUCKETS,
                 registry=reg,
             ),
+            "hook_seconds": Counter(
+                "semblend_hook_seconds",
+                "Time spent in semblend code inside the engine's hooks (lookups included).",
+                registry=reg,
+            ),
             "donors": Gauge(
                 "semblend_donors",
                 "Donors in the index.",
@@ -109,6 +116,8 @@ class Telemetry:
         self._reused_tokens = 0
         self._lookups = 0
         self._lookup_seconds = 0.0
+        self._hook_calls = 0
+        self._hook_seconds = 0.0
         self._donors = 0
 
     def record_outcome(self, outcome: str, *, reason: str | None = None, reused: int = 0) -> None:
@@ -140,6 +149,15 @@ class Telemetry:
         if self._metrics is not None:
             self._metrics["lookup_seconds"].observe(seconds)
 
+    def observe_hook(self, seconds: float) -> None:
+        """Record the time one engine hook spent in semblend code (the engine's own work
+        excluded). Called by the engine adapter for every hook call on the request path."""
+        with self._lock:
+            self._hook_calls += 1
+            self._hook_seconds += seconds
+        if self._metrics is not None:
+            self._metrics["hook_seconds"].inc(seconds)
+
     def observe_similarity(self, value: float) -> None:
         """Record the embedding similarity of a discovered donor."""
         if self._metrics is not None:
@@ -161,7 +179,7 @@ class Telemetry:
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict copy of this object's counts: outcomes, declined reasons, reused tokens,
-        lookups, mean lookup milliseconds, donors, errors."""
+        lookups, mean lookup milliseconds, hook calls and seconds, donors, errors."""
         with self._lock:
             return {
                 "outcomes": dict(self._outcomes),
@@ -172,6 +190,8 @@ class Telemetry:
                 "lookup_ms_mean": (1000.0 * self._lookup_seconds / self._lookups)
                 if self._lookups
                 else 0.0,
+                "hook_calls": self._hook_calls,
+                "hook_seconds": self._hook_seconds,
                 "donors": self._donors,
                 "errors": dict(sorted(self._errors.items())),
             }

@@ -270,14 +270,18 @@ class SglangCacheHarness:
     def abort(self, req: Any) -> None:
         """Abort `req` following `Scheduler.abort_request` / `process_pending_chunked_abort`."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
         from sglang.srt.mem_cache.common import release_kv_cache
 
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
+            # Scheduler._release_aborted_request (scheduler.py:3545)
+            self.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
             req.finished_reason = FINISH_ABORT()
             return
         if req is self.chunked_req:
             req.finished_reason = FINISH_ABORT("Aborted")
+            self.cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
             release_kv_cache(req, self.cache, checkpoint=False)
             self.chunked_req = None
             if self.last_prefill_batch is not None and req in self.last_prefill_batch.reqs:

@@ -143,8 +143,11 @@ def test_merge_snapshots_sums_ranks() -> None:
         "donors": 4,
         "errors": {},
     }
+    a["hook_seconds"] = 0.25
     b = dict(a, outcomes={"materialized": 2}, lookups=6, lookup_ms_mean=3.0, reused_tokens=100)
+    b["hook_seconds"] = 0.5
     total = merge_snapshots([a, None, b])
+    assert total["hook_seconds"] == pytest.approx(0.75)
     assert total["outcomes"] == {"exact": 2, "materialized": 3}
     assert total["declined"] == {"donor_evicted": 2}
     assert total["reused_tokens"] == 1000 and total["lookups"] == 8

@@ -418,6 +418,56 @@ def test_cache_reset_forgets_every_donor(
     check_invariants(h, full_kv=True)
 
 
+def test_request_aborted_while_waiting_after_its_lookup_leaves_no_state(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """The scheduler matches waiting requests (admission, priority) before running them; one
+    aborted while still waiting never reaches on_release, only UnifiedRadixCache.finish(ABORT)."""
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=4096), model_config)
+    runtime = adapter.runtime
+    target = _semantic_pair(h, passages, instructions)
+    target.init_next_round_input(h.cache)  # the lookup of a waiting request
+    assert target.rid in runtime.requests
+    h.abort(target)
+    assert target.rid not in runtime.requests and target.rid not in runtime.settled
+    snap = runtime.provider.snapshot()
+    assert snap["declined"] == {"no_donor": 1, "aborted": 1}, snap  # the donor, the target
+    assert snap["outcomes"]["materialized"] == 0
+    h.run_until_idle()
+    check_invariants(h, full_kv=True)
+    _assert_drained(h)
+
+
+def test_hook_time_is_counted_on_every_request_path_hook(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    runtime = adapter.runtime
+    calls: dict[str, int] = {}
+    real = runtime.guarded
+
+    def counting(where: str, *args: Any) -> Any:
+        calls[where] = calls.get(where, 0) + 1
+        return real(where, *args)
+
+    runtime.guarded = counting  # type: ignore[method-assign]
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=4096), model_config)  # resets the cache
+    target = _semantic_pair(h, passages, instructions)
+    h.run_until_idle()
+    assert target.finished()
+    snap = runtime.provider.snapshot()
+    assert snap["outcomes"]["materialized"] == 1, snap
+    assert snap["hook_calls"] == sum(calls.values()) > 0
+    assert {"reset", "match_prefix", "checkpoint", "release", "admission"} <= set(calls), calls
+    assert 0 < snap["hook_seconds"] < 60
+    assert snap["hook_seconds"] * 1000 >= snap["lookup_ms_mean"] * snap["lookups"]
+
+
 # ---- install / uninstall -------------------------------------------------------------------
 
 
@@ -430,20 +480,26 @@ def test_patch_is_idempotent_and_unpatch_restores_the_originals() -> None:
         (UnifiedRadixCache, "match_prefix"),
         (UnifiedRadixCache, "checkpoint"),
         (UnifiedRadixCache, "on_release"),
+        (UnifiedRadixCache, "reset"),
         (PrefillAdder, "_select_prefill_admission"),
         (PrefillAdder, "add_chunked_req"),
     ]
+    inherited_finish = UnifiedRadixCache.finish  # BasePrefixCache's: wrapped, then deleted
+    assert "finish" not in UnifiedRadixCache.__dict__
     originals = {key: key[0].__dict__[key[1]] for key in names}
     first = patch_radix_cache(CONFIG)
     assert patch_radix_cache(CONFIG) is first is installed_adapter()
     for owner, name in names:
         assert owner.__dict__[name] is not originals[(owner, name)]
         assert owner.__dict__[name].__wrapped__ is originals[(owner, name)]
+    assert UnifiedRadixCache.__dict__["finish"].__wrapped__ is inherited_finish
     unpatch_radix_cache()
     unpatch_radix_cache()
     assert installed_adapter() is None
     for owner, name in names:
         assert owner.__dict__[name] is originals[(owner, name)]
+    assert "finish" not in UnifiedRadixCache.__dict__
+    assert UnifiedRadixCache.finish is inherited_finish
 
 
 def test_plugin_patches_a_process_started_with_spawn(tmp_path: Any) -> None:

@@ -30,6 +30,8 @@ def test_series_and_snapshot() -> None:
     telemetry.record_outcome("declined", reason="something-new")
     telemetry.record_outcome("cold_fallback")
     telemetry.observe_lookup(0.002)
+    telemetry.observe_hook(0.003)
+    telemetry.observe_hook(0.001)
     telemetry.set_donors(7)
     assert sample(registry, "semblend_requests_total", outcome="exact") == 1
     assert sample(registry, "semblend_requests_total", outcome="declined") == 2
@@ -38,6 +40,7 @@ def test_series_and_snapshot() -> None:
     assert sample(registry, "semblend_reused_tokens_total") == 1200
     assert sample(registry, "semblend_lookup_seconds_count") == 1
     assert sample(registry, "semblend_donors") == 7
+    assert sample(registry, "semblend_hook_seconds_total") == pytest.approx(0.004)
     text = generate_latest(registry).decode()
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -52,6 +55,7 @@ def test_series_and_snapshot() -> None:
     }
     assert snap["declined"] == {"no_donor": 1, "other": 1}
     assert snap["requests"] == 5 and snap["reused_tokens"] == 1200 and snap["donors"] == 7
+    assert snap["hook_calls"] == 2 and snap["hook_seconds"] == pytest.approx(0.004)
     with pytest.raises(ValueError):
         telemetry.record_outcome("hit")
 

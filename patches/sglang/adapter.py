@@ -8,6 +8,8 @@ adapter's module; nothing outside ``semblend_sglang.patches.sglang`` touches sgl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -47,3 +49,38 @@ def installed_sglang_version() -> Version | None:
         return Version(version("sglang"))
     except (PackageNotFoundError, InvalidVersion):
         return None
+
+
+_INHERITED = object()
+"""Marks a replaced method that the class inherited (restored by deleting the wrapper)."""
+
+Wrappers = Mapping[tuple[type, str], Callable[..., Any]]
+Originals = dict[tuple[type, str], Any]
+
+
+def install_wrappers(wrappers: Wrappers) -> Originals:
+    """Set each ``(owner, name)`` attribute to its wrapper; return what :func:`restore` needs.
+
+    Each wrapper gets ``__wrapped__`` (the method it replaces, inherited ones included) and that
+    method's docstring. Adapters call this from ``apply``; it does not check idempotence.
+    """
+    originals: Originals = {}
+    for (owner, name), wrapper in wrappers.items():
+        own = owner.__dict__.get(name, _INHERITED)
+        replaced = getattr(owner, name)
+        wrapper.__wrapped__ = replaced  # type: ignore[attr-defined]
+        wrapper.__doc__ = getattr(replaced, "__doc__", None)
+        originals[(owner, name)] = own
+        setattr(owner, name, wrapper)
+    return originals
+
+
+def restore(originals: Originals) -> None:
+    """Undo :func:`install_wrappers`: put back each class's own method, or delete the wrapper
+    of an inherited one. Adapters call this from ``remove``."""
+    for (owner, name), original in originals.items():
+        if original is _INHERITED:
+            if name in owner.__dict__:
+                delattr(owner, name)
+        else:
+            setattr(owner, name, original)

@@ -38,7 +38,7 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 def merge_snapshots(snapshots: list[dict[str, Any] | None]) -> dict[str, Any]:
     """Sum the counters of several schedulers' snapshots (None entries are skipped).
 
-    Integer fields and per-label dicts are summed; ``lookup_ms_mean`` is the lookup-weighted mean.
+    Numeric fields and per-label dicts are summed; ``lookup_ms_mean`` is the lookup-weighted mean.
     """
     total: dict[str, Any] = {}
     weighted_ms = 0.0
@@ -50,7 +50,7 @@ def merge_snapshots(snapshots: list[dict[str, Any] | None]) -> dict[str, Any]:
                 bucket = total.setdefault(key, {})
                 for label, count in value.items():
                     bucket[label] = bucket.get(label, 0) + count
-            elif isinstance(value, int) and not isinstance(value, bool):
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
         weighted_ms += float(snap.get("lookup_ms_mean", 0.0)) * int(snap.get("lookups", 0))
     if total:

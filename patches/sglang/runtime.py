@@ -10,10 +10,11 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from semblend_sglang.align import Span
 from semblend_sglang.config import Config
@@ -23,6 +24,8 @@ from semblend_sglang.plan import Reason, ReusePlan
 from semblend_sglang.provider import SemanticProvider
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -157,6 +160,21 @@ class SemblendRuntime:
         self.provider.record_materialized(rid, state.reused_total)
         return True
 
+    def guarded(
+        self, where: str, rid: str | None, default: _T, fn: Callable[..., _T], *args: Any
+    ) -> _T:
+        """Run ``fn(*args)`` for an engine hook: its time is added to the hook-time counter, and
+        an exception is turned into :meth:`fail` (``where``, ``rid``) and ``default``. Never
+        raises (an exception not derived from ``Exception`` still propagates)."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.fail(where, exc, rid)
+            return default
+        finally:
+            self.provider.telemetry.observe_hook(time.perf_counter() - started)
+
     def fail(self, where: str, exc: BaseException, rid: str | None = None) -> None:
         """An error in a hook: count it, log once, and make the request a cold fallback."""
         key = (where, type(exc).__name__)
@@ -179,6 +197,18 @@ class SemblendRuntime:
             self.provider.record_cold_fallback(rid, where)
         else:
             self.provider.telemetry.record_error(where)
+
+    def abort(self, rid: str) -> None:
+        """The engine dropped ``rid`` without running it to its release (aborted while waiting):
+        its plan is declined as ``aborted`` and its state dropped. A request that already reused
+        KV keeps its state: it holds slots, so the engine's release (which applies the publish
+        cap) is still to come."""
+        state = self.requests.get(rid)
+        if state is not None and state.reused_any:
+            return
+        if state is not None:
+            self.decline(rid, Reason.ABORTED)
+        self.release(rid)
 
     def release(self, rid: str) -> None:
         """The request ended (finished, aborted or retracted): drop its state."""

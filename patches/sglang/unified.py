@@ -36,7 +36,7 @@ from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 
-from .adapter import SglangAdapter
+from .adapter import Originals, SglangAdapter, install_wrappers, restore
 from .runtime import RequestReuse, SemblendRuntime
 
 _RUNTIME_ATTR = "_semblend_runtime"
@@ -89,7 +89,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.runtime = SemblendRuntime(config)
-        self._originals: dict[tuple[type, str], Any] = {}
+        self._originals: Originals = {}
 
     @classmethod
     def supports(cls, version: Any) -> bool:
@@ -109,6 +109,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         from sglang.srt.managers.scheduler_components.internal_state import (
             SchedulerInternalStateController,
         )
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         from .http_routes import CONFIG_KEY, STATE_KEY
@@ -119,6 +120,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         orig_checkpoint = UnifiedRadixCache.checkpoint
         orig_on_release = UnifiedRadixCache.on_release
         orig_reset = UnifiedRadixCache.reset
+        orig_finish = UnifiedRadixCache.finish
         orig_select = PrefillAdder._select_prefill_admission
         orig_add_chunked = PrefillAdder.add_chunked_req
         orig_internal_state = SchedulerInternalStateController.get_internal_state
@@ -128,10 +130,10 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             result = orig_match(self, params)
             req = getattr(params, "req", None)
             if req is not None:
-                try:
-                    adapter._on_match(self, params, req, result)
-                except Exception as exc:
-                    runtime.fail("match_prefix", exc, getattr(req, "rid", None))
+                rid = getattr(req, "rid", None)
+                runtime.guarded(
+                    "match_prefix", rid, None, adapter._on_match, self, params, req, result
+                )
             return result
 
         def checkpoint(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -140,24 +142,24 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             if state is not None and state.reused_any:
                 up_to = min(up_to, state.publish_cap)
             orig_checkpoint(self, req, up_to=up_to, **kwargs)
-            try:
-                adapter._after_checkpoint(self, req, requested, orig_match)
-            except Exception as exc:
-                runtime.fail("checkpoint", exc, getattr(req, "rid", None))
+            rid = getattr(req, "rid", None)
+            runtime.guarded(
+                "checkpoint", rid, None, adapter._after_checkpoint, self, req, requested, orig_match
+            )
 
         def on_release(self: Any, req: Any, *, checkpointed: bool) -> None:
             orig_on_release(self, req, checkpointed=checkpointed)
-            try:
-                runtime.release(req.rid)
-            except Exception as exc:
-                runtime.fail("release", exc)
+            runtime.guarded("release", None, None, runtime.release, req.rid)
+
+        def finish(self: Any, handle: Any, outcome: Any) -> None:
+            orig_finish(self, handle, outcome)
+            if outcome is not CacheRequestOutcome.SUCCESS:  # aborted: maybe never released
+                runtime.guarded("abort", None, None, runtime.abort, handle.rid)
 
         def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = orig_reset(self, *args, **kwargs)
-            try:  # /flush_cache and friends: every donor's KV is gone
-                runtime.forget_all_donors()
-            except Exception as exc:
-                runtime.fail("reset", exc)
+            # /flush_cache and friends: every donor's KV is gone
+            runtime.guarded("reset", None, None, runtime.forget_all_donors)
             return out
 
         def _select_prefill_admission(self: Any, req: Any, **kwargs: Any) -> Any:
@@ -168,27 +170,23 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
                 return AddReqResult.OTHER
             admission = orig_select(self, req, **kwargs)
-            try:
-                return adapter._cut_admission(self, req, admission, kwargs)
-            except Exception as exc:
-                runtime.fail("admission", exc, getattr(req, "rid", None))
-                return admission
+            rid = getattr(req, "rid", None)
+            return runtime.guarded(
+                "admission", rid, admission, adapter._cut_admission, self, req, admission, kwargs
+            )
 
         def add_chunked_req(self: Any, req: Any) -> Any:
             out = orig_add_chunked(self, req)
-            try:
-                return adapter._cut_continuation(self, req, out)
-            except Exception as exc:
-                runtime.fail("chunked_admission", exc, getattr(req, "rid", None))
-                return out
+            rid = getattr(req, "rid", None)
+            return runtime.guarded(
+                "chunked_admission", rid, out, adapter._cut_continuation, self, req, out
+            )
 
         def _add_request_to_queue(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
             retracted = kwargs.get("is_retracted", args[0] if args else False)
             if adapter.config.mode == "substitute" and not retracted:
-                try:
-                    adapter._substitute(self, req)
-                except Exception as exc:
-                    runtime.fail("substitute", exc, getattr(req, "rid", None))
+                rid = getattr(req, "rid", None)
+                runtime.guarded("substitute", rid, None, adapter._substitute, self, req)
             return orig_add_to_queue(self, req, *args, **kwargs)
 
         def get_internal_state(self: Any, recv_req: Any) -> Any:
@@ -205,22 +203,17 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             (UnifiedRadixCache, "checkpoint"): checkpoint,
             (UnifiedRadixCache, "on_release"): on_release,
             (UnifiedRadixCache, "reset"): reset,
+            (UnifiedRadixCache, "finish"): finish,
             (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
             (PrefillAdder, "add_chunked_req"): add_chunked_req,
             (SchedulerInternalStateController, "get_internal_state"): get_internal_state,
             (Scheduler, "_add_request_to_queue"): _add_request_to_queue,
         }
-        for (owner, name), wrapper in replacements.items():
-            original = owner.__dict__[name]
-            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-            wrapper.__doc__ = getattr(original, "__doc__", None)
-            self._originals[(owner, name)] = original
-            setattr(owner, name, wrapper)
+        self._originals = install_wrappers(replacements)
         setattr(UnifiedRadixCache, _RUNTIME_ATTR, runtime)
 
     def remove(self) -> None:
-        for (owner, name), original in self._originals.items():
-            setattr(owner, name, original)
+        restore(self._originals)
         if self._originals:
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
