@@ -40,6 +40,7 @@ from .metrics import (
     ppl_ratio,
     rouge_l,
 )
+from .ttft import semblend_snapshot
 from .workloads import BUILTIN_WORKLOADS, BenchRequest, RequestGroup, Workload
 
 SYSTEMS = ("vanilla", "exact_spans", "substitute")
@@ -146,14 +147,7 @@ class ServerClient:
 
     def snapshot(self) -> dict[str, Any] | None:
         """semblend's summed counters, or None when the server has no semblend route."""
-        import httpx
-
-        resp = httpx.get(self.url + "/semblend/snapshot", timeout=60.0)
-        if resp.status_code == 404:
-            return None
-        resp.raise_for_status()
-        total: dict[str, Any] = resp.json()["total"]
-        return total
+        return semblend_snapshot(self.url)
 
 
 # --------------------------------------------------------------------------- records

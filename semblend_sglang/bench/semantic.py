@@ -8,9 +8,16 @@ One SGLang server with semblend enabled. Per sample (a different real essay each
 - exact: the cache is flushed, the first ``c`` tokens of the semantic prompt are sent on their own,
   then the semantic prompt again, where ``c`` is the semantic request's ``cached_tokens`` — an
   exact prefix hit of the same reused length, SGLang's own best case;
-- miss: a prompt of the same length from an essay no request has used (no donor): its TTFT is
-  compared with a vanilla server's (``--vanilla`` starts one after the semblend server) for the
-  miss overhead.
+- miss: a prompt of the same length from an essay no request has used (no donor).
+
+With ``--vanilla`` (default) a vanilla server (``SEMBLEND_ENABLED=0``, same flags) runs beside it
+and gets the identical sequence, sample by sample, alternating which server goes first.
+
+The miss overhead is reported two ways: the miss TTFT against the vanilla server's (an A/B, as
+noisy as the machine: p50 ratio and the median of per-sample ratios), and the time the
+scheduler spent in semblend's hooks while the miss request ran (``hook_seconds`` of
+``GET /semblend/snapshot``, read before and after it: lookup, donor registration and every other
+hook), divided by the cold TTFT.
 
 All TTFTs are streaming, greedy; reuse is read from the server's ``cached_tokens``.
 """
@@ -24,7 +31,7 @@ from typing import Any
 
 import click
 
-from .ttft import flush_cache, stream_generate, write_report
+from .ttft import flush_cache, semblend_snapshot, stream_generate, write_report
 
 INSTRUCTION_A = "Summarize the following essay in three sentences.\n\n"
 INSTRUCTION_B = "Read the essay below carefully and list the author's main arguments.\n\n"
@@ -42,6 +49,10 @@ class SemanticSample:
     exact_s: float
     exact_cached: int
     miss_s: float
+    semantic_hook_ms: float
+    """Time the scheduler spent in semblend's hooks during the semantic request."""
+    miss_hook_ms: float
+    """Time the scheduler spent in semblend's hooks during the miss request."""
 
 
 def _prompts(doc_tokens: int, samples: int) -> list[tuple[str, list[int], list[int], list[int]]]:
@@ -70,42 +81,60 @@ def _prompts(doc_tokens: int, samples: int) -> list[tuple[str, list[int], list[i
     return out
 
 
-def run_semantic(url: str, prompts: list[tuple[str, list[int], list[int], list[int]]]) -> list:
-    """Measure every sample against a semblend server at ``url``."""
-    stream_generate(url, prompts[0][3])  # warm-up, not recorded
-    samples = []
-    for name, prompt_a, prompt_b, miss in prompts:
-        flush_cache(url)
-        cold_s, _ = stream_generate(url, prompt_a)
-        semantic_s, meta = stream_generate(url, prompt_b)
-        semantic_cached = int(meta.get("cached_tokens", 0))
-        flush_cache(url)
-        stream_generate(url, prompt_b[: max(semantic_cached, 1)])
-        exact_s, meta_exact = stream_generate(url, prompt_b)
-        miss_s, _ = stream_generate(url, miss)
-        samples.append(
-            SemanticSample(
-                essay=name,
-                prompt_tokens=len(prompt_b),
-                cold_s=cold_s,
-                semantic_s=semantic_s,
-                semantic_cached=semantic_cached,
-                exact_s=exact_s,
-                exact_cached=int(meta_exact.get("cached_tokens", 0)),
-                miss_s=miss_s,
-            )
-        )
-    return samples
+def _hook_ms(url: str, run: Any) -> tuple[Any, float]:
+    """``run()``'s result and the hook time (ms) the server's schedulers spent while it ran."""
+    before = semblend_snapshot(url) or {}
+    out = run()
+    after = semblend_snapshot(url) or {}
+    spent = float(after.get("hook_seconds", 0.0)) - float(before.get("hook_seconds", 0.0))
+    return out, 1000.0 * spent
 
 
-def run_misses(url: str, prompts: list[tuple[str, list[int], list[int], list[int]]]) -> list[float]:
-    """TTFT of the miss prompts on a (vanilla) server at ``url``, same order as the semblend run."""
-    stream_generate(url, prompts[0][3])
-    out = []
-    for _, _, _, miss in prompts:
-        flush_cache(url)
-        out.append(stream_generate(url, miss)[0])
-    return out
+Prompt = tuple[str, list[int], list[int], list[int]]
+"""(essay, prompt A, prompt B, miss prompt) of one sample."""
+
+
+def run_sample(url: str, prompt: Prompt) -> SemanticSample:
+    """One sample's request sequence against the server at ``url`` (semblend or vanilla: the
+    sequence is the same; a vanilla server reports no hook time and no semantic reuse)."""
+    name, prompt_a, prompt_b, miss = prompt
+    flush_cache(url)
+    cold_s, _ = stream_generate(url, prompt_a)
+    (semantic_s, meta), semantic_hook_ms = _hook_ms(url, lambda: stream_generate(url, prompt_b))
+    semantic_cached = int(meta.get("cached_tokens", 0))
+    flush_cache(url)
+    stream_generate(url, prompt_b[: max(semantic_cached, 1)])
+    exact_s, meta_exact = stream_generate(url, prompt_b)
+    (miss_s, _), miss_hook_ms = _hook_ms(url, lambda: stream_generate(url, miss))
+    return SemanticSample(
+        essay=name,
+        prompt_tokens=len(prompt_b),
+        cold_s=cold_s,
+        semantic_s=semantic_s,
+        semantic_cached=semantic_cached,
+        exact_s=exact_s,
+        exact_cached=int(meta_exact.get("cached_tokens", 0)),
+        miss_s=miss_s,
+        semantic_hook_ms=semantic_hook_ms,
+        miss_hook_ms=miss_hook_ms,
+    )
+
+
+def run_interleaved(
+    semblend_url: str, vanilla_url: str | None, prompts: list[Prompt]
+) -> tuple[list[SemanticSample], list[SemanticSample]]:
+    """Every sample on the semblend server and, right before or after it (alternating), the same
+    sequence on the vanilla server: slow drifts of the machine hit both alike."""
+    urls = [semblend_url] + ([vanilla_url] if vanilla_url else [])
+    for url in urls:
+        stream_generate(url, prompts[0][3])  # warm-up, not recorded
+    semblend: list[SemanticSample] = []
+    vanilla: list[SemanticSample] = []
+    for i, prompt in enumerate(prompts):
+        order = [(semblend_url, semblend)] + ([(vanilla_url, vanilla)] if vanilla_url else [])
+        for url, out in order if i % 2 == 0 else reversed(order):
+            out.append(run_sample(url, prompt))
+    return semblend, vanilla
 
 
 def _start(semblend: bool) -> Any:
@@ -129,7 +158,9 @@ def _p50(values: list[float]) -> float:
 @click.option("--doc-tokens", default=1500, show_default=True, type=click.IntRange(256, 8000))
 @click.option("--samples", default=5, show_default=True, type=click.IntRange(1, 20))
 @click.option(
-    "--vanilla/--no-vanilla", default=True, help="Also start a vanilla server for misses."
+    "--vanilla/--no-vanilla",
+    default=True,
+    help="Also start a vanilla server and run the same sequence on it (interleaved).",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def command(
@@ -140,19 +171,19 @@ def command(
 
     ensure_torchvision_importable()
     prompts = _prompts(doc_tokens, samples)
-    server = None if url is not None else _start(semblend=True)
+    servers = []
     try:
-        results = run_semantic(url or server.url, prompts)
+        if url is None:
+            servers.append(_start(semblend=True))
+            if vanilla:
+                servers.append(_start(semblend=False))
+        semblend_url = url or servers[0].url
+        vanilla_url = servers[1].url if len(servers) > 1 else None
+        results, vanilla_results = run_interleaved(semblend_url, vanilla_url, prompts)
     finally:
-        if server is not None:
+        for server in servers:
             server.stop()
-    vanilla_miss: list[float] = []
-    if vanilla and url is None:
-        server = _start(semblend=False)
-        try:
-            vanilla_miss = run_misses(server.url, prompts)
-        finally:
-            server.stop()
+    vanilla_miss = [s.miss_s for s in vanilla_results]
     summary = {
         "doc_tokens": doc_tokens,
         "samples": samples,
@@ -163,14 +194,24 @@ def command(
         "exact_cached_tokens_mean": statistics.fmean(s.exact_cached for s in results),
         "miss_semblend_ms_p50": _p50([s.miss_s for s in results]),
         "miss_vanilla_ms_p50": _p50(vanilla_miss) if vanilla_miss else None,
+        "semantic_hook_ms_p50": statistics.median(s.semantic_hook_ms for s in results),
+        "miss_hook_ms_p50": statistics.median(s.miss_hook_ms for s in results),
     }
     summary["semantic_over_exact"] = (
         summary["semantic_ms_p50"] / summary["exact_same_length_ms_p50"]
     )
     summary["speedup_over_cold"] = summary["cold_ms_p50"] / summary["semantic_ms_p50"]
+    summary["miss_overhead_in_scheduler"] = summary["miss_hook_ms_p50"] / summary["cold_ms_p50"]
     if vanilla_miss:
-        summary["miss_overhead"] = (
+        summary["vanilla_cold_ms_p50"] = _p50([s.cold_s for s in vanilla_results])
+        summary["miss_overhead_ab"] = (
             summary["miss_semblend_ms_p50"] / summary["miss_vanilla_ms_p50"] - 1
+        )
+        summary["miss_overhead_ab_paired"] = (
+            statistics.median(
+                s.miss_s / v.miss_s for s, v in zip(results, vanilla_results, strict=True)
+            )
+            - 1
         )
     for key, value in summary.items():
         click.echo(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
@@ -179,6 +220,6 @@ def command(
             json_path,
             summary=summary,
             samples=[asdict(s) for s in results],
-            vanilla_miss_s=vanilla_miss,
+            vanilla_samples=[asdict(s) for s in vanilla_results],
         )
         click.echo(f"wrote {json_path}")

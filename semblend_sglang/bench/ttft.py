@@ -76,6 +76,19 @@ def flush_cache(url: str) -> None:
     resp.raise_for_status()
 
 
+def semblend_snapshot(url: str) -> dict[str, Any] | None:
+    """semblend's counters summed over the server's schedulers (``GET /semblend/snapshot``), or
+    None when the server has no semblend route (a vanilla server)."""
+    import httpx
+
+    resp = httpx.get(url + "/semblend/snapshot", timeout=60.0)
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    total: dict[str, Any] = resp.json()["total"]
+    return total
+
+
 def essay_prompts(lengths: tuple[int, ...], samples: int) -> dict[int, list[tuple[str, list[int]]]]:
     """For each length, ``samples`` (essay name, token ids) pairs, each from a different essay
     long enough for that length; deterministic."""
