@@ -13,6 +13,7 @@ import pytest
 from semblend_sglang.bench.e2e import (
     SCHEMA_VERSION,
     ProbeRecord,
+    _hook_ms_delta,
     _outcome_delta,
     _parse_urls,
     console_table,
@@ -36,6 +37,28 @@ def test_outcome_delta_names_the_one_outcome_a_request_added() -> None:
     assert _outcome_delta(before, miss) == ("declined:reuse_too_small", 0)
     assert _outcome_delta(before, before) == ("none", 0)
     assert _outcome_delta(None, hit) == ("unknown", 0)
+
+
+def test_hook_time_delta_between_snapshots() -> None:
+    assert _hook_ms_delta({"hook_seconds": 0.5}, {"hook_seconds": 0.5015}) == pytest.approx(1.5)
+    assert _hook_ms_delta(None, {"hook_seconds": 1.0}) is None
+
+
+def test_control_rows_report_the_miss_overhead_in_the_scheduler() -> None:
+    def control(system: str, kind: str, ttft: float, **kw: object) -> ProbeRecord:
+        rec = _rec(system, kind, ttft, [1, 2], **kw)
+        rec.workload = "control"
+        return rec
+
+    records = [
+        control("vanilla", "cold", 4.0),
+        control("exact_spans", "semantic", 4.4, outcome="declined:no_donor", hook_ms=2.0),
+    ]
+    (row,) = summarize(records)
+    assert row["exact_spans_miss_overhead"] == pytest.approx(0.1)
+    assert row["exact_spans_miss_hook_ms"] == pytest.approx(2.0)
+    assert row["exact_spans_miss_overhead_in_scheduler"] == pytest.approx(2.0 / 4000.0)
+    assert "0.050" in console_table([row])
 
 
 def test_url_option_is_validated() -> None:
@@ -109,6 +132,7 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     assert row["exact_spans_hit_rate"] > 0  # confirmed by the server's own counters
     semantic = [r for r in report["records"] if r["kind"] == "semantic"]
     assert semantic and all(len(r["reference_logprobs"]) == 64 for r in semantic)
+    assert all(0 < r["hook_ms"] < 60_000 for r in semantic)  # the server's own hook time
     assert {r["kind"] for r in report["records"]} == {
         "semantic",
         "prefix",

@@ -45,6 +45,8 @@ from .workloads import BUILTIN_WORKLOADS, BenchRequest, RequestGroup, Workload
 
 SYSTEMS = ("vanilla", "exact_spans", "substitute")
 SEMBLEND_SYSTEMS = ("exact_spans", "substitute")
+QUICK_SYSTEMS = ("vanilla", "exact_spans")
+"""``--quick`` leaves out the opt-in, output-changing substitute mode (one server fewer)."""
 SERVER_ENV: dict[str, dict[str, str]] = {
     "vanilla": {"SEMBLEND_ENABLED": "0"},
     "exact_spans": {"SEMBLEND_ENABLED": "1", "SEMBLEND_MODE": "exact_spans"},
@@ -59,7 +61,7 @@ SERVER_ENV: dict[str, dict[str, str]] = {
 GREEDY_TOKENS = 32
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 # --------------------------------------------------------------------------- client
@@ -168,9 +170,18 @@ class ProbeRecord:
     cached_tokens: int
     outcome: str | None = None
     reused_tokens: int | None = None
+    hook_ms: float | None = None
+    """Semblend servers: the scheduler's time in semblend's hooks during the probe."""
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
+
+
+def _hook_ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
+    """Milliseconds the server's schedulers spent in semblend's hooks between two snapshots."""
+    if before is None or after is None:
+        return None
+    return 1000.0 * (float(after.get("hook_seconds", 0.0)) - float(before.get("hook_seconds", 0.0)))
 
 
 def _outcome_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> tuple[str, int]:
@@ -277,6 +288,7 @@ class Runner:
                     answer,
                     outcome=outcome,
                     reused_tokens=reused,
+                    hook_ms=_hook_ms_delta(before, after),
                 )
                 rec.reference_logprobs = self._reference(client, probe)
                 self.progress(1)
@@ -287,13 +299,13 @@ class Runner:
             if group.donors:
                 self._flush(client)
                 self._send_donors(client, group)
-                self._record(
+                self._record(  # TTFT only: its output is not compared with anything
                     workload,
                     group,
                     i,
                     "vanilla",
                     "prefix",
-                    client.generate(probe.prompt_ids, self.greedy_tokens),
+                    client.generate(probe.prompt_ids, 1),
                 )
                 self.progress(1)
             self._flush(client)
@@ -395,6 +407,12 @@ def summarize(records: Sequence[ProbeRecord]) -> list[dict[str, Any]]:
                     row[f"{system}_miss_overhead"] = miss_overhead(
                         [1000 * r.ttft_s for r in probes], cold_ttfts
                     )
+                hook = [r.hook_ms for r in probes if r.hook_ms is not None]
+                if hook and cold_ttfts:
+                    row[f"{system}_miss_hook_ms"] = percentile(hook, 50)
+                    row[f"{system}_miss_overhead_in_scheduler"] = percentile(hook, 50) / percentile(
+                        cold_ttfts, 50
+                    )
         exact_agree = []
         for r in mine:
             if r.system == "vanilla" and r.kind == "exact_same_length":
@@ -425,6 +443,7 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
         f"{'workload':18s} {'ctx':>5s} {'cold':>7s} {'prefix':>7s} {'exact':>7s} {'spans':>7s}"
         f" {'subst':>7s} {'sp/ex':>6s} {'hit%':>5s} {'reuse%':>6s} {'ppl':>6s} {'agree':>6s}"
         f" {'rougeL':>6s} {'ex agree':>8s} {'sub hit%':>8s} {'sub agree':>9s} {'miss ovh':>8s}"
+        f" {'hook ovh':>8s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -432,6 +451,7 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
         reuse = r.get("exact_spans_reused_fraction")
         sub_hit = r.get("substitute_hit_rate")
         miss = r.get("exact_spans_miss_overhead")
+        hook = r.get("exact_spans_miss_overhead_in_scheduler")
         lines.append(
             f"{r['workload']:18s} {r['context_tokens']:5d} {_fmt(r.get('cold_ms_p50')):>7s}"
             f" {_fmt(r.get('prefix_ms_p50')):>7s} {_fmt(r.get('exact_same_length_ms_p50')):>7s}"
@@ -446,13 +466,15 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
             f" {_fmt(None if sub_hit is None else 100 * sub_hit):>8s}"
             f" {_fmt(r.get('substitute_greedy_agreement'), '.2f'):>9s}"
             f" {_fmt(None if miss is None else 100 * miss, '+.1f'):>8s}"
+            f" {_fmt(None if hook is None else 100 * hook, '.3f'):>8s}"
         )
     lines.append(
         "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
         "length exact_spans reused; sp/ex: spans/exact; hit%, reuse%: server-confirmed "
         "(exact_spans); ppl: PPL ratio vs cold; agree: first-32-token greedy agreement; "
         "ex agree: the same for the exact hit (noise floor); miss ovh:"
-        " control-set TTFT vs vanilla cold, %."
+        " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
+        " during a control probe, % of vanilla cold TTFT."
     )
     return "\n".join(lines)
 
@@ -582,7 +604,9 @@ def _parse_urls(values: Sequence[str]) -> dict[str, str]:
 
 @click.command("e2e")
 @click.option(
-    "--quick", is_flag=True, help="512 tokens, 1 group per workload (< 5 min on 2 cores)."
+    "--quick",
+    is_flag=True,
+    help="512 tokens, 1 group per workload, vanilla and exact_spans (< 5 min on 2 cores).",
 )
 @click.option(
     "--lengths", default=None, help="Context lengths, comma-separated (default 512,1024,2048)."
@@ -611,7 +635,12 @@ def _parse_urls(values: Sequence[str]) -> dict[str, str]:
     "substitute; repeat for several). They are flushed between groups unless --no-flush.",
 )
 @click.option("--flush/--no-flush", default=True, help="Flush server caches between groups.")
-@click.option("--systems", default=",".join(SYSTEMS), show_default=True)
+@click.option(
+    "--systems",
+    default=None,
+    help=f"Systems, comma-separated (default {','.join(SYSTEMS)}; "
+    f"with --quick {','.join(QUICK_SYSTEMS)}).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--model-path", default=None, help="Model to serve/tokenize (default: SmolLM2).")
 @click.option(
@@ -638,7 +667,7 @@ def command(
     workload_file: Path | None,
     urls: tuple[str, ...],
     flush: bool,
-    systems: str,
+    systems: str | None,
     seed: int,
     model_path: str | None,
     server_args: tuple[str, ...],
@@ -661,6 +690,8 @@ def command(
     from .workloads import build_workload
 
     started = time.monotonic()
+    if systems is None:
+        systems = ",".join(QUICK_SYSTEMS if quick else SYSTEMS)
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     bad = [s for s in chosen if s not in SYSTEMS]
     if bad:
