@@ -539,7 +539,7 @@ def test_substituted_prompt_puts_the_donor_head_before_the_shared_span() -> None
 
     from semblend_sglang.align import Span
     from semblend_sglang.namespace import Namespace
-    from semblend_sglang.patches.sglang.unified import substituted_prompt
+    from semblend_sglang.patches.sglang.substitute import substituted_prompt
     from semblend_sglang.plan import ReusePlan
 
     donor = [7, 7, 7, 1, 2, 3, 4, 5, 6, 9]

@@ -224,7 +224,7 @@ class SemblendRuntime:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            from .unified import served_tokenizer_path
+            from .request_info import served_tokenizer_path
 
             path = served_tokenizer_path()
             if path is None:

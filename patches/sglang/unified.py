@@ -32,64 +32,21 @@ from typing import Any
 
 import torch
 
-from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.plan import Reason, ReusePlan
+from semblend_sglang.plan import Reason
 
-from .adapter import Originals, SglangAdapter, install_wrappers, restore
+from .hooked_adapter import RUNTIME_ATTR, HookedAdapter, copy_span_kv
 from .runtime import RequestReuse, SemblendRuntime
+from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
+from .substitute import substitute_request
 
-_RUNTIME_ATTR = "_semblend_runtime"
 _CUT_ATTR = "_semblend_cut_at_boundary"
 
 
-def _server_args() -> Any:
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        return get_server_args()
-    except Exception:
-        return None
-
-
-def served_tokenizer_path() -> str | None:
-    """The running server's tokenizer (or model) path, None outside a server."""
-    args = _server_args()
-    path = getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None)
-    return None if path is None else str(path)
-
-
-def _namespace_for(req: Any) -> Namespace:
-    args = _server_args()
-    model = str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "") or "")
-    tokenizer = str(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", "") or "")
-    return Namespace(
-        model=model,
-        tokenizer_fingerprint=tokenizer,
-        adapter=getattr(req, "lora_id", None),
-        extra_key=getattr(req, "extra_key", None),
-        cache_salt=getattr(req, "cache_salt", None),
-    )
-
-
-def _eligible(req: Any) -> bool:
-    return (
-        getattr(req, "multimodal_inputs", None) is None
-        and getattr(req, "positional_embed_overrides", None) is None
-        and getattr(req, "session", None) is None
-        and not (hasattr(req, "is_dllm") and req.is_dllm())
-    )
-
-
-class UnifiedRadixCacheAdapter(SglangAdapter):
+class UnifiedRadixCacheAdapter(HookedAdapter):
     """Hooks for sglang 0.5.21+ (``UnifiedRadixCache``; Rust or Python tree core)."""
 
     name = "unified-radix-cache"
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.runtime = SemblendRuntime(config)
-        self._originals: Originals = {}
 
     @classmethod
     def supports(cls, version: Any) -> bool:
@@ -98,9 +55,6 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         return bool(Version("0.5.21") <= version < Version("0.6"))
 
     # ----------------------------------------------------------------- install
-    def is_applied(self) -> bool:
-        return bool(self._originals)
-
     def apply(self) -> None:
         if self._originals:
             return
@@ -111,8 +65,6 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         )
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-        from .http_routes import CONFIG_KEY, STATE_KEY
 
         adapter = self
         runtime = self.runtime
@@ -182,22 +134,6 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 "chunked_admission", rid, out, adapter._cut_continuation, self, req, out
             )
 
-        def _add_request_to_queue(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-            retracted = kwargs.get("is_retracted", args[0] if args else False)
-            if adapter.config.mode == "substitute" and not retracted:
-                rid = getattr(req, "rid", None)
-                runtime.guarded("substitute", rid, None, adapter._substitute, self, req)
-            return orig_add_to_queue(self, req, *args, **kwargs)
-
-        def get_internal_state(self: Any, recv_req: Any) -> Any:
-            out = orig_internal_state(self, recv_req)
-            try:
-                out.internal_state[STATE_KEY] = runtime.provider.snapshot()
-                out.internal_state[CONFIG_KEY] = adapter.config.as_dict()
-            except Exception as exc:
-                runtime.fail("internal_state", exc)
-            return out
-
         replacements = {
             (UnifiedRadixCache, "match_prefix"): match_prefix,
             (UnifiedRadixCache, "checkpoint"): checkpoint,
@@ -206,59 +142,34 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             (UnifiedRadixCache, "finish"): finish,
             (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
             (PrefillAdder, "add_chunked_req"): add_chunked_req,
-            (SchedulerInternalStateController, "get_internal_state"): get_internal_state,
-            (Scheduler, "_add_request_to_queue"): _add_request_to_queue,
+            (SchedulerInternalStateController, "get_internal_state"): wrap_get_internal_state(
+                orig_internal_state, runtime
+            ),
+            (Scheduler, "_add_request_to_queue"): wrap_add_request_to_queue(
+                orig_add_to_queue, runtime, adapter._substitute
+            ),
         }
-        self._originals = install_wrappers(replacements)
-        setattr(UnifiedRadixCache, _RUNTIME_ATTR, runtime)
+        self._install(replacements)
 
-    def remove(self) -> None:
-        restore(self._originals)
-        if self._originals:
-            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    @classmethod
+    def _tree_class(cls) -> type:
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-            if getattr(UnifiedRadixCache, _RUNTIME_ATTR, None) is self.runtime:
-                delattr(UnifiedRadixCache, _RUNTIME_ATTR)
-        self._originals.clear()
+        return UnifiedRadixCache
 
     # ----------------------------------------------------------------- 1. lookup
     def _on_match(self, cache: Any, params: Any, req: Any, result: Any) -> None:
-        runtime = self.runtime
-        rid = req.rid
-        if rid in runtime.requests or rid in runtime.settled:
-            return
-        if not self.config.enabled or self.config.mode == "substitute" or not _eligible(req):
-            return  # substitute mode decides at arrival (_substitute)
-        tokens = params.key.token_ids
-        limit = getattr(params.key, "limit", None)
-        usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
         exact_len = int(result.device_prefix_len) + int(getattr(result, "host_hit_length", 0) or 0)
-        namespace = _namespace_for(req)
-        decision = runtime.provider.lookup(
-            namespace, tokens[:usable], exact_len, rid, page_size=int(cache.page_size)
-        )
-        if decision.kind != "plan" or decision.plan is None:
-            return
-        state = runtime.start(rid, namespace, decision.plan)
-        if not self._cache_supported(cache):
-            runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
-            return
-        if state.boundary <= exact_len:
-            runtime.decline(rid, Reason.SPANS_TRIMMED_AWAY)
+        key = params.key
+        state = self._plan(cache, req, key.token_ids, getattr(key, "limit", None), exact_len)
+        if state is None:
             return
         reason, _ = self._match_donor(cache, state, self._original_match(cache))
         if reason is not None:  # checked again at the copy; this spares a needless chunk cut
-            runtime.decline(rid, reason)
+            self.runtime.decline(req.rid, reason)
 
     def _cache_supported(self, cache: Any) -> bool:
-        pool = cache.token_to_kv_pool_allocator.get_kvcache()
-        k_buffer = getattr(pool, "k_buffer", None)
-        return (
-            int(cache.page_size) == 1
-            and isinstance(k_buffer, list)
-            and getattr(pool, "store_dtype", None) == getattr(pool, "dtype", None)
-            and self.runtime.rope_spec(getattr(_server_args(), "model_path", None)) is not None
-        )
+        return self._pool_supported(cache)
 
     # ----------------------------------------------------------------- 2. chunk at a'
     def _cut_admission(self, adder: Any, req: Any, admission: Any, kwargs: dict[str, Any]) -> Any:
@@ -305,15 +216,9 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             return
         if state is not None and (state.phase == "materialized" or state.reused_any):
             return  # its prompt is not in the tree past the publish cap: not a donor
-        prompt = req.origin_input_ids
-        if up_to >= len(prompt) >= runtime.config.min_prompt_tokens and _eligible(req):
-            runtime.register_donor(_namespace_for(req), req.rid, list(prompt))
+        self._register_donor(req, up_to)
 
     def _materialize(self, cache: Any, req: Any, state: RequestReuse, orig_match: Any) -> None:
-        from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-        from semblend_sglang.kernels import transfer_kv_sglang
-
         runtime = self.runtime
         rid = req.rid
         donor_end = state.donor_start + state.reused_tokens
@@ -322,12 +227,10 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         if reason is not None:
             runtime.decline(rid, reason)
             return
-        spec = runtime.rope_spec(getattr(_server_args(), "model_path", None))
+        spec = self.rope_spec()
         if spec is None:
             runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
             return
-        allocator = cache.token_to_kv_pool_allocator
-        pool = allocator.get_kvcache()
         n = state.reused_tokens
         lock = cache.lock(found.last_device_node)
         try:
@@ -335,27 +238,12 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 found.last_device_node, cache.root_node_handle(ns.extra_key)
             )
             src = path[state.donor_start : donor_end].to(torch.int64)
-            if allocator.available_size() < n:
-                evict_from_tree_cache(cache, n)
-            dst = allocator.alloc(n)
-            if dst is None:
-                runtime.decline(rid, Reason.NO_CAPACITY)
-                return
-            try:
-                deltas = torch.full((n,), state.delta, dtype=torch.int64, device=src.device)
-                transfer_kv_sglang(
-                    pool.k_buffer, pool.v_buffer, src.to(dst.device), dst, deltas, spec
-                )
-                if dst.is_cuda:
-                    torch.cuda.current_stream(dst.device).synchronize()
-                cache.req_to_token_pool.write(
-                    (req.kv.req_pool_idx, slice(state.boundary, state.end)), dst.to(torch.int32)
-                )
-            except BaseException:
-                allocator.free(dst)
-                raise
+            dst = copy_span_kv(cache, src, state, req.kv.req_pool_idx, spec)
         finally:
             cache.unlock(lock)
+        if dst is None:
+            runtime.decline(rid, Reason.NO_CAPACITY)
+            return
         req.kv.kv_allocated_len = state.end
         req.kv.kv_committed_len = state.end
         req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
@@ -404,58 +292,16 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:
-        """Rewrite an arriving request's head to its donor's (substitute mode; see module doc)."""
+        """Substitute mode at arrival (:func:`.substitute.substitute_request`) on a
+        ``UnifiedRadixCache``."""
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        runtime = self.runtime
-        rid = req.rid
         cache = getattr(scheduler, "tree_cache", None)
-        if not self.config.enabled or not _eligible(req) or rid in runtime.settled:
-            return
         if not isinstance(cache, UnifiedRadixCache) or cache.disable:
             return
-        tokens = req.origin_input_ids
-        namespace = _namespace_for(req)
-        exact_len = self._cached_len(cache, tokens, namespace)
-        decision = runtime.provider.lookup(
-            namespace, tokens, exact_len, rid, page_size=int(cache.page_size)
+        substitute_request(
+            self.runtime, scheduler, req, cache, lambda t, ns: self._cached_len(cache, t, ns)
         )
-        if decision.kind != "plan" or decision.plan is None:
-            return
-        runtime.settled.add(rid)  # decided here; the match hooks leave it alone
-        plan = decision.plan
-        donor = runtime.donor_tokens(plan.donor_handle)
-        new_prompt = substituted_prompt(tokens, donor, plan)
-        if new_prompt is None:
-            runtime.provider.forget(plan.donor_handle)
-            runtime.provider.record_declined(rid, Reason.DONOR_EVICTED)
-            return
-        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
-        context_len = int(getattr(scheduler.model_config, "context_len", 0) or 0)
-        if len(new_prompt) >= int(scheduler.max_req_input_len) or (
-            context_len and len(new_prompt) + int(max_new) > context_len
-        ):
-            runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
-            return
-        span = plan.spans[0]
-        shift = span.donor_start - span.target_start
-        logprob_start = int(getattr(req, "logprob_start_len", -1))
-        if getattr(req, "return_logprob", False) and 0 <= logprob_start < span.target_start:
-            # Input logprobs over the replaced head would score the donor's tokens.
-            runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
-            return
-        served = self._cached_len(cache, new_prompt, namespace)
-        if served < span.donor_start + span.length:
-            runtime.provider.forget(plan.donor_handle)  # its KV left the tree
-            runtime.provider.record_declined(rid, Reason.DONOR_EVICTED)
-            return
-        if req.origin_input_ids_unpadded is req.origin_input_ids:
-            req.origin_input_ids_unpadded = new_prompt
-        req.origin_input_ids = new_prompt
-        req.full_untruncated_fill_ids = new_prompt + req.output_ids
-        if logprob_start >= 0:
-            req.logprob_start_len = logprob_start + shift  # same tokens, new positions
-        runtime.provider.record_materialized(rid, max(0, served - exact_len))
 
     @staticmethod
     def _cached_len(cache: Any, tokens: Any, namespace: Namespace) -> int:
@@ -474,28 +320,11 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         return getattr(method, "__wrapped__", method)
 
 
-def substituted_prompt(tokens: Any, donor: Any, plan: ReusePlan) -> array | None:
-    """Substitute mode's rewritten prompt: ``donor[:a0] + tokens[a:]`` for the plan's first span
-    [a, b) <- [a0, b0) (so the new prompt starts with ``donor[:b0]``), as an ``array("q")``.
-
-    None when the donor's tokens are gone or do not match the span (the donor was dropped).
-    """
-    span = plan.spans[0]
-    if donor is None or len(donor) < span.donor_start + span.length:
-        return None
-    head = [int(t) for t in donor[: span.donor_start]]
-    same = donor[span.donor_start : span.donor_start + span.length]
-    tail = tokens[span.target_start :]
-    if [int(t) for t in same] != [int(t) for t in tail[: span.length]]:
-        return None
-    return array("q", head) + array("q", tail)
-
-
 def runtime_of_installed() -> SemblendRuntime | None:
     """The runtime of the adapter currently installed in this process, if any."""
     try:
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     except Exception:
         return None
-    runtime: SemblendRuntime | None = getattr(UnifiedRadixCache, _RUNTIME_ATTR, None)
+    runtime: SemblendRuntime | None = getattr(UnifiedRadixCache, RUNTIME_ATTR, None)
     return runtime

@@ -1,0 +1,60 @@
+"""What the SGLang hooks read off a request and the running server (every supported version).
+
+Called by the adapters' hooks inside the scheduler process; reads only, never raises for a
+request object of a supported sglang version, imports sglang lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from semblend_sglang.namespace import Namespace
+
+
+def server_args() -> Any:
+    """The scheduler's ``ServerArgs``, or None outside an SGLang process."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:
+        return None
+
+
+def served_model_path() -> str | None:
+    """The served model's path (for its config.json), or None outside a server."""
+    path = getattr(server_args(), "model_path", None)
+    return None if path is None else str(path)
+
+
+def served_tokenizer_path() -> str | None:
+    """The running server's tokenizer (or model) path, None outside a server."""
+    args = server_args()
+    path = getattr(args, "tokenizer_path", None) or getattr(args, "model_path", None)
+    return None if path is None else str(path)
+
+
+def namespace_for(req: Any) -> Namespace:
+    """The reuse namespace of ``req``: served model, tokenizer, LoRA adapter, extra_key and
+    cache_salt (a version whose ``Req`` has no ``cache_salt`` folds it into ``extra_key``)."""
+    args = server_args()
+    model = str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "") or "")
+    tokenizer = str(getattr(args, "tokenizer_path", None) or getattr(args, "model_path", "") or "")
+    return Namespace(
+        model=model,
+        tokenizer_fingerprint=tokenizer,
+        adapter=getattr(req, "lora_id", None),
+        extra_key=getattr(req, "extra_key", None),
+        cache_salt=getattr(req, "cache_salt", None),
+    )
+
+
+def eligible(req: Any) -> bool:
+    """False for requests whose KV is not a function of their token ids alone (multimodal,
+    positional overrides, streaming sessions, diffusion LLMs): never planned, never donors."""
+    return (
+        getattr(req, "multimodal_inputs", None) is None
+        and getattr(req, "positional_embed_overrides", None) is None
+        and getattr(req, "session", None) is None
+        and not (hasattr(req, "is_dllm") and req.is_dllm())
+    )

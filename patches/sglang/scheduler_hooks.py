@@ -1,0 +1,48 @@
+"""Wrappers for ``Scheduler``-level methods that every adapter installs the same way.
+
+Each factory takes the original method and returns its replacement for
+:func:`~.adapter.install_wrappers`. The wrappers run the original unchanged and never let an
+exception of semblend's reach the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .http_routes import CONFIG_KEY, STATE_KEY
+from .runtime import SemblendRuntime
+
+
+def wrap_get_internal_state(original: Callable[..., Any], runtime: SemblendRuntime) -> Any:
+    """``get_internal_state`` that adds semblend's counters and resolved config to the state
+    SGLang's ``/server_info`` returns (read by ``GET /semblend/snapshot``)."""
+
+    def get_internal_state(self: Any, recv_req: Any) -> Any:
+        out = original(self, recv_req)
+        try:
+            out.internal_state[STATE_KEY] = runtime.provider.snapshot()
+            out.internal_state[CONFIG_KEY] = runtime.config.as_dict()
+        except Exception as exc:
+            runtime.fail("internal_state", exc)
+        return out
+
+    return get_internal_state
+
+
+def wrap_add_request_to_queue(
+    original: Callable[..., Any],
+    runtime: SemblendRuntime,
+    substitute: Callable[[Any, Any], None],
+) -> Any:
+    """``_add_request_to_queue`` that, in substitute mode, calls ``substitute(scheduler, req)``
+    for each arriving (not retracted) request before queueing it."""
+
+    def _add_request_to_queue(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        retracted = kwargs.get("is_retracted", args[0] if args else False)
+        if runtime.config.mode == "substitute" and not retracted:
+            rid = getattr(req, "rid", None)
+            runtime.guarded("substitute", rid, None, substitute, self, req)
+        return original(self, req, *args, **kwargs)
+
+    return _add_request_to_queue
