@@ -2,12 +2,13 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VENV_LEGACY ?= .venv-legacy
 export SEMBLEND_MODEL_CACHE ?= $(CURDIR)/.cache/models
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint bench serve prepare-model clean
+.PHONY: venv test lint bench serve prepare-model clean venv-legacy test-legacy
 
 venv:
 	@scripts/bootstrap.sh $(VENV)
@@ -19,6 +20,14 @@ lint: venv
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The legacy-sglang adapter (0.5.15, RadixCache) in its own environment: tests/legacy only
+# (those tests skip in .venv). scripts/bootstrap-legacy.sh is idempotent like bootstrap.sh.
+venv-legacy:
+	@scripts/bootstrap-legacy.sh $(VENV_LEGACY)
+
+test-legacy: venv-legacy
+	$(VENV_LEGACY)/bin/python -m pytest -q tests/legacy $(PYTEST_ARGS)
+
 prepare-model: venv
 	$(VENV)/bin/semblend-sglang prepare-model
 
@@ -29,4 +38,4 @@ serve: venv
 	$(VENV)/bin/semblend-sglang serve
 
 clean:
-	rm -rf $(VENV) .cache build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_LEGACY) .cache build dist *.egg-info .pytest_cache .ruff_cache

@@ -14,13 +14,14 @@ def _site_packages_state(prefix: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in site.iterdir() if p.name.endswith(".dist-info")}
 
 
-def test_second_make_venv_installs_nothing() -> None:
+def assert_second_bootstrap_installs_nothing(target: str, variable: str, stamp: str) -> None:
+    """``make <target> <variable>=<this venv>`` reports up to date and changes no package.
+    Also used by tests/legacy for ``venv-legacy``."""
     prefix = Path(sys.prefix)
-    stamp = prefix / ".semblend-bootstrap"
-    assert stamp.is_file(), f"{prefix} was not created by scripts/bootstrap.sh; run `make test`"
+    assert (prefix / stamp).is_file(), f"{prefix} was not created by `make {target}`"
     before = _site_packages_state(prefix)
     result = subprocess.run(
-        ["make", "-s", "venv", f"VENV={prefix}"],
+        ["make", "-s", target, f"{variable}={prefix}"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -30,3 +31,7 @@ def test_second_make_venv_installs_nothing() -> None:
     assert "is up to date; nothing to install" in result.stdout
     assert "installing" not in result.stdout
     assert _site_packages_state(prefix) == before
+
+
+def test_second_make_venv_installs_nothing() -> None:
+    assert_second_bootstrap_installs_nothing("venv", "VENV", ".semblend-bootstrap")

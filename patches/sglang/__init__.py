@@ -27,9 +27,10 @@ _installed: SglangAdapter | None = None
 
 
 def _adapters() -> list[type[SglangAdapter]]:
+    from .legacy import LegacyRadixCacheAdapter
     from .unified import UnifiedRadixCacheAdapter
 
-    return [UnifiedRadixCacheAdapter]
+    return [UnifiedRadixCacheAdapter, LegacyRadixCacheAdapter]
 
 
 def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
@@ -53,7 +54,7 @@ def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
                 return adapter
         logger.warning(
             "semblend: sglang %s is not supported by this version of semblend-sglang "
-            "(supported: 0.5.21 up to 0.6); SGLang is left unpatched",
+            "(supported: 0.5.15 to 0.5.18 and 0.5.21 up to 0.6); SGLang is left unpatched",
             version,
         )
         return None
