@@ -17,11 +17,12 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# tests/legacy need a legacy sglang: they are test-legacy's (in .venv they would only skip).
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/legacy $(PYTEST_ARGS)
 
-# The legacy-sglang adapter (0.5.15, RadixCache) in its own environment: tests/legacy only
-# (those tests skip in .venv). scripts/bootstrap-legacy.sh is idempotent like bootstrap.sh.
+# The legacy-sglang adapter (0.5.15, RadixCache) in its own environment, .venv-legacy:
+# tests/legacy only. scripts/bootstrap-legacy.sh is idempotent like bootstrap.sh.
 venv-legacy:
 	@scripts/bootstrap-legacy.sh $(VENV_LEGACY)
 
