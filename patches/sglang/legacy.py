@@ -51,7 +51,11 @@ from semblend_sglang.plan import Reason
 
 from .hooked_adapter import HookedAdapter, copy_span_kv
 from .runtime import RequestReuse
-from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
+from .scheduler_hooks import (
+    wrap_add_chunked_req,
+    wrap_add_request_to_queue,
+    wrap_get_internal_state,
+)
 from .substitute import substitute_request
 
 logger = logging.getLogger(__name__)
@@ -206,13 +210,6 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 AddReqResult,
             )
 
-        def add_chunked_req(self: Any, req: Any) -> Any:
-            out = orig_add_chunked(self, req)
-            rid = getattr(req, "rid", None)
-            return runtime.guarded(
-                "chunked_admission", rid, out, adapter._cut_continuation, self, req, out
-            )
-
         def abort_request(self: Any, recv_req: Any) -> Any:
             # A waiting request that is aborted never reaches cache_finished_req (0.5.15
             # scheduler.py:3874-3886 only pops it): drop the plans of those that left the queue.
@@ -232,7 +229,9 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 (RadixCache, "cache_unfinished_req"): cache_unfinished_req,
                 (RadixCache, "cache_finished_req"): cache_finished_req,
                 (PrefillAdder, "add_one_req"): add_one_req,
-                (PrefillAdder, "add_chunked_req"): add_chunked_req,
+                (PrefillAdder, "add_chunked_req"): wrap_add_chunked_req(
+                    orig_add_chunked, runtime, adapter._cut_continuation
+                ),
                 (Scheduler, "abort_request"): abort_request,
                 (Scheduler, "get_internal_state"): wrap_get_internal_state(
                     orig_internal_state, runtime

@@ -1,4 +1,4 @@
-"""Wrappers for ``Scheduler``-level methods that every adapter installs the same way.
+"""Wrappers for scheduler-side methods that every adapter installs the same way.
 
 Each factory takes the original method and returns its replacement for
 :func:`~.adapter.install_wrappers`. The wrappers run the original unchanged and never let an
@@ -46,3 +46,19 @@ def wrap_add_request_to_queue(
         return original(self, req, *args, **kwargs)
 
     return _add_request_to_queue
+
+
+def wrap_add_chunked_req(
+    original: Callable[..., Any],
+    runtime: SemblendRuntime,
+    cut: Callable[[Any, Any, Any], Any],
+) -> Any:
+    """``PrefillAdder.add_chunked_req`` whose result goes through ``cut(adder, req, out)``
+    (the adapter's chunk cut at a reuse boundary); the original's result when ``cut`` fails."""
+
+    def add_chunked_req(self: Any, req: Any) -> Any:
+        out = original(self, req)
+        rid = getattr(req, "rid", None)
+        return runtime.guarded("chunked_admission", rid, out, cut, self, req, out)
+
+    return add_chunked_req

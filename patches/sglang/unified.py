@@ -37,7 +37,11 @@ from semblend_sglang.plan import Reason
 
 from .hooked_adapter import RUNTIME_ATTR, HookedAdapter, copy_span_kv
 from .runtime import RequestReuse, SemblendRuntime
-from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
+from .scheduler_hooks import (
+    wrap_add_chunked_req,
+    wrap_add_request_to_queue,
+    wrap_get_internal_state,
+)
 from .substitute import substitute_request
 
 _CUT_ATTR = "_semblend_cut_at_boundary"
@@ -127,13 +131,6 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
                 "admission", rid, admission, adapter._cut_admission, self, req, admission, kwargs
             )
 
-        def add_chunked_req(self: Any, req: Any) -> Any:
-            out = orig_add_chunked(self, req)
-            rid = getattr(req, "rid", None)
-            return runtime.guarded(
-                "chunked_admission", rid, out, adapter._cut_continuation, self, req, out
-            )
-
         replacements = {
             (UnifiedRadixCache, "match_prefix"): match_prefix,
             (UnifiedRadixCache, "checkpoint"): checkpoint,
@@ -141,7 +138,9 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (UnifiedRadixCache, "reset"): reset,
             (UnifiedRadixCache, "finish"): finish,
             (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
-            (PrefillAdder, "add_chunked_req"): add_chunked_req,
+            (PrefillAdder, "add_chunked_req"): wrap_add_chunked_req(
+                orig_add_chunked, runtime, adapter._cut_continuation
+            ),
             (SchedulerInternalStateController, "get_internal_state"): wrap_get_internal_state(
                 orig_internal_state, runtime
             ),

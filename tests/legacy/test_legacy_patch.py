@@ -34,6 +34,7 @@ from test_sglang_harness import (  # noqa: E402  fixtures of the 0.5.23 tests
     model_config,
     passages,
 )
+from test_sglang_patch import _document, _semantic_pair  # noqa: E402  harness-agnostic
 
 from semblend_sglang.config import Config  # noqa: E402
 from semblend_sglang.kernels import rotate_k  # noqa: E402
@@ -58,10 +59,6 @@ def adapter() -> Iterator[Any]:
         yield installed
     finally:
         unpatch_radix_cache()
-
-
-def _document(passages: list[list[list[int]]], essay: int, count: int) -> list[int]:
-    return [t for p in passages[essay][:count] for t in p]
 
 
 def _step_until(h: LegacyCacheHarness, done: Any, max_steps: int = 200) -> None:
@@ -179,15 +176,6 @@ def test_randomized_semantic_traffic_keeps_every_invariant(
 
 
 # ---- faults ----------------------------------------------------------------------------------
-
-
-def _semantic_pair(
-    h: LegacyCacheHarness, passages: list[list[list[int]]], instructions: list[list[int]]
-) -> Any:
-    doc = _document(passages, 2, 8)
-    h.submit(instructions[0] + doc)
-    h.run_until_idle()
-    return h.submit(instructions[5] + doc, max_new_tokens=2)
 
 
 def test_request_aborted_while_waiting_after_its_lookup_leaves_no_state(
