@@ -32,7 +32,7 @@ CPU_SERVER_FLAGS: tuple[str, ...] = (
     "--grammar-backend",
     "none",
     "--dtype",
-    "bfloat16",
+    "float32",
     "--sleep-on-idle",
     "--max-total-tokens",
     "65536",
