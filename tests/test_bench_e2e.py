@@ -17,6 +17,7 @@ from semblend_sglang.bench.e2e import (
     _outcome_delta,
     _parse_urls,
     console_table,
+    parse_semblend_env,
     summarize,
 )
 
@@ -69,6 +70,21 @@ def test_url_option_is_validated() -> None:
     for bad in ("http://h:1", "semantic=http://h:1", "vanilla=h:1"):
         with pytest.raises(click.BadParameter):
             _parse_urls([bad])
+
+
+def test_semblend_env_option_is_validated() -> None:
+    assert parse_semblend_env(["SEMBLEND_STRICT_PREFIX_BOUNDARY=0", "SEMBLEND_MAX_SPANS=4"]) == {
+        "SEMBLEND_STRICT_PREFIX_BOUNDARY": "0",
+        "SEMBLEND_MAX_SPANS": "4",
+    }
+    for bad, needle in (
+        ("SEMBLEND_MODE=substitute", "other than"),
+        ("SEMBLEND_NOPE=1", "SEMBLEND_\\* setting"),
+        ("SEMBLEND_MAX_SPANS", "KEY=VALUE"),
+        ("SEMBLEND_MAX_SPANS=lots", "SEMBLEND_MAX_SPANS"),
+    ):
+        with pytest.raises(click.BadParameter, match=needle):
+            parse_semblend_env([bad])
 
 
 def _rec(system: str, kind: str, ttft: float, ids: list[int], **kw: object) -> ProbeRecord:

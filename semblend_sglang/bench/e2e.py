@@ -24,7 +24,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -567,17 +567,26 @@ def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClien
 # --------------------------------------------------------------------------- command
 
 
-def _start_servers(systems: Sequence[str], model: str, extra: Sequence[str], logs: Path) -> dict:
+def _start_servers(
+    systems: Sequence[str],
+    model: str,
+    extra: Sequence[str],
+    logs: Path,
+    semblend_env: Mapping[str, str] | None = None,
+) -> dict:
     from ..server import free_port, start_server
 
     servers = {}
     try:
         for system in systems:  # started together: their start-ups overlap
+            env = dict(SERVER_ENV[system])
+            if system in SEMBLEND_SYSTEMS:
+                env.update(semblend_env or {})
             servers[system] = start_server(
                 model,
                 port=free_port(),
                 extra_args=list(extra),
-                env=SERVER_ENV[system],
+                env=env,
                 log_path=logs / f"e2e-{system}-server.log",
             )
         for server in servers.values():
@@ -587,6 +596,33 @@ def _start_servers(systems: Sequence[str], model: str, extra: Sequence[str], log
             server.stop()
         raise
     return servers
+
+
+SYSTEM_OWNED_ENV = ("SEMBLEND_ENABLED", "SEMBLEND_MODE", "SEMBLEND_DISCOVERY_ONLY")
+"""Variables each system sets itself (--semblend-env may not override them)."""
+
+
+def parse_semblend_env(values: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs for the started semblend servers; each KEY must be a SemBlend setting
+    (config.FIELDS) other than those in SYSTEM_OWNED_ENV, each VALUE valid for it."""
+    from ..config import FIELDS_BY_ENV, ConfigError, parse_value
+
+    out: dict[str, str] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        spec = FIELDS_BY_ENV.get(key)
+        if not sep or spec is None or key in SYSTEM_OWNED_ENV:
+            raise click.BadParameter(
+                f"{value!r}: expected KEY=VALUE with KEY a SEMBLEND_* setting other than "
+                f"{', '.join(SYSTEM_OWNED_ENV)}",
+                param_hint="'--semblend-env'",
+            )
+        try:
+            parse_value(spec, raw, key)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--semblend-env'") from None
+        out[key] = raw
+    return out
 
 
 def _parse_urls(values: Sequence[str]) -> dict[str, str]:
@@ -651,6 +687,14 @@ def _parse_urls(values: Sequence[str]) -> dict[str, str]:
     " --server-arg=1024).",
 )
 @click.option(
+    "--semblend-env",
+    "semblend_env_values",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="SemBlend setting for the started semblend servers (repeat; e.g. "
+    "--semblend-env SEMBLEND_STRICT_PREFIX_BOUNDARY=0).",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -671,6 +715,7 @@ def command(
     seed: int,
     model_path: str | None,
     server_args: tuple[str, ...],
+    semblend_env_values: tuple[str, ...],
     out_dir: Path,
     json_path: Path | None,
     plot_path: Path | None,
@@ -697,6 +742,11 @@ def command(
     if bad:
         raise click.BadParameter(f"unknown system(s) {bad}", param_hint="'--systems'")
     url_map = _parse_urls(urls)
+    semblend_env = parse_semblend_env(semblend_env_values)
+    if semblend_env and url_map:
+        raise click.BadParameter(
+            "applies to started servers only; set it on your servers", param_hint="'--semblend-env'"
+        )
     if url_map:
         chosen = [s for s in chosen if s in url_map]
     model = model_path or str(prepare_model())
@@ -726,7 +776,7 @@ def command(
     servers: dict[str, Any] = {}
     if not url_map:
         click.echo(f"starting {len(chosen)} SGLang servers ({', '.join(chosen)}) ...", err=True)
-        servers = _start_servers(chosen, model, server_args, out_dir)
+        servers = _start_servers(chosen, model, server_args, out_dir, semblend_env)
         url_map = {s: srv.url for s, srv in servers.items()}
     clients = {s: ServerClient(url_map[s]) for s in chosen}
     total = sum(requests_per_group(g, chosen) for w in workloads for g in w.groups)
@@ -758,6 +808,7 @@ def command(
             "seed": seed,
             "greedy_tokens": GREEDY_TOKENS,
             "flush": flush,
+            "semblend_env": semblend_env,
         },
         "wall_s": time.monotonic() - started,
         "summary": rows,
