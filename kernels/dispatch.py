@@ -122,8 +122,10 @@ def transfer_kv_paged(
 
     ``layout="flash_attn"``: [2, num_blocks, block_size, kv_heads, head_size];
     ``layout="flashinfer"``: [num_blocks, 2, block_size, kv_heads, head_size]; either may be
-    a permuted (HND) view, strides are honoured. ``block_size``, when given, must match the
-    tensors. Other arguments as in ``transfer_kv_sglang``.
+    a permuted (HND) view, strides are honoured. ``layout="vllm_packed"`` / ``"vllm_cpu"``: the
+    packed [num_blocks, kv_heads, block_size, 2 * head_size] per-layer view vLLM 0.32 hands
+    connectors, as its GPU / CPU attention backends read it (:mod:`.kv_layouts`). ``block_size``,
+    when given, must match the tensors. Other arguments as in ``transfer_kv_sglang``.
     """
     k4, v4 = paged_views(kv_caches, layout, block_size)
     caches = block_caches(k4, v4, spec, cache_dtype, k_scales)

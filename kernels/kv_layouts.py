@@ -4,8 +4,11 @@ SGLang's MHATokenToKVPool keeps one [slots, kv_heads, head_dim] tensor per layer
 for V: that is block_size 1. vLLM's paged caches keep one tensor per layer holding K and V:
 FlashAttention ``[2, num_blocks, block_size, kv_heads, head_size]`` and FlashInfer
 ``[num_blocks, 2, block_size, kv_heads, head_size]``, each possibly a permuted (HND) view; a
-slot is ``block_id * block_size + offset``. This module only builds views and checks arguments;
-it never copies or writes cache memory.
+slot is ``block_id * block_size + offset``. vLLM 0.32 hands connectors one packed 4-D view per
+layer, ``[num_blocks, kv_heads, block_size, 2 * head_size]``: its GPU backends read K and V as the
+two halves of the last axis (``vllm_packed``); its CPU backend reads each (block, head) page as
+``block_size`` keys followed by ``block_size`` values (``vllm_cpu``). This module only builds
+views and checks arguments; it never copies or writes cache memory.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import torch
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import MAX_ABS_DELTA
 
-PagedLayout = Literal["flash_attn", "flashinfer"]
-"""vLLM paged layouts: FlashAttention puts the K/V axis first, FlashInfer second."""
+PagedLayout = Literal["flash_attn", "flashinfer", "vllm_packed", "vllm_cpu"]
+"""Paged layouts: FlashAttention puts the K/V axis first, FlashInfer second; the vLLM 0.32 packed
+4-D view splits its last axis (GPU backends) or each page (CPU backend) into K and V."""
+PAGED_LAYOUTS: tuple[str, ...] = ("flash_attn", "flashinfer", "vllm_packed", "vllm_cpu")
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPE = torch.float8_e4m3fn
@@ -75,23 +80,47 @@ def sglang_views(
 def paged_views(
     kv_caches: Sequence[torch.Tensor], layout: PagedLayout, block_size: int | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """vLLM per-layer paged caches as K and V [num_blocks, block_size, heads, dim] views."""
-    if layout not in ("flash_attn", "flashinfer"):
-        raise ValueError(f"layout={layout!r}: expected 'flash_attn' or 'flashinfer'")
-    kv_axis = 0 if layout == "flash_attn" else 1
+    """Per-layer paged caches in ``layout`` as K and V [blocks, block_size, heads, dim] views."""
+    if layout not in PAGED_LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {', '.join(PAGED_LAYOUTS)}")
     ks, vs = [], []
     for i, kv in enumerate(kv_caches):
-        if kv.dim() != 5 or kv.shape[kv_axis] != 2:
-            want = "[2, blocks, block_size, heads, dim]"
-            if layout == "flashinfer":
-                want = "[blocks, 2, block_size, heads, dim]"
-            raise ValueError(f"kv_caches[{i}] has shape {tuple(kv.shape)}; {layout} is {want}")
-        k, v = kv.select(kv_axis, 0), kv.select(kv_axis, 1)
+        if layout in ("vllm_packed", "vllm_cpu"):
+            k, v = _packed_views(kv, layout, i)
+        else:
+            kv_axis = 0 if layout == "flash_attn" else 1
+            if kv.dim() != 5 or kv.shape[kv_axis] != 2:
+                want = "[2, blocks, block_size, heads, dim]"
+                if layout == "flashinfer":
+                    want = "[blocks, 2, block_size, heads, dim]"
+                raise ValueError(f"kv_caches[{i}] has shape {tuple(kv.shape)}; {layout} is {want}")
+            k, v = kv.select(kv_axis, 0), kv.select(kv_axis, 1)
         if block_size is not None and k.shape[1] != block_size:
             raise ValueError(f"kv_caches[{i}] block_size {k.shape[1]} != {block_size}")
         ks.append(k)
         vs.append(v)
     return ks, vs
+
+
+def _packed_views(kv: torch.Tensor, layout: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [blocks, block_size, heads, dim] views of one vLLM 0.32 packed 4-D layer cache."""
+    if kv.dim() != 4 or kv.shape[3] % 2:
+        raise ValueError(
+            f"kv_caches[{i}] has shape {tuple(kv.shape)}; {layout} is "
+            "[blocks, heads, block_size, 2 * head_size]"
+        )
+    blocks, heads, block, both = kv.shape
+    dim = both // 2
+    if layout == "vllm_packed":
+        page = kv.transpose(1, 2)
+        return page[..., :dim], page[..., dim:]
+    if kv.stride(3) != 1 or kv.stride(2) != both:
+        raise ValueError(
+            f"kv_caches[{i}] strides {kv.stride()}: vllm_cpu needs each (block, head) page "
+            "contiguous (vLLM's LBHNC layout)"
+        )
+    split = kv.view(blocks, heads, 2 * block, dim)
+    return split[:, :, :block].transpose(1, 2), split[:, :, block:].transpose(1, 2)
 
 
 def block_caches(

@@ -34,7 +34,7 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    layout: str  # "sglang", "flash_attn" or "flashinfer"
+    layout: str  # "sglang", "flash_attn", "flashinfer", "vllm_packed" or "vllm_cpu"
     hnd: bool  # paged layouts: heads before block positions in memory
     dtype: torch.dtype
     heads: int
@@ -59,6 +59,12 @@ CASES = [
     Case("flashinfer", True, torch.bfloat16, 3, 80, 40, True, 64, 2, 50, 3),
     Case("flashinfer", False, torch.float16, 5, 64, 48, False, 1, 3, 31, 80),
     Case("flashinfer", True, FP8, 4, 64, 64, True, 16, 2, 41, 8),
+    # vLLM 0.32's packed per-layer view [blocks, heads, block_size, 2 * head_dim].
+    Case("vllm_packed", True, torch.bfloat16, 3, 64, 64, True, 16, 2, 37, 8),
+    Case("vllm_packed", False, torch.float16, 2, 128, 128, True, 32, 2, 45, 4),
+    Case("vllm_packed", False, FP8, 2, 64, 64, False, 16, 2, 30, 6),
+    Case("vllm_cpu", True, torch.float32, 3, 64, 64, True, 32, 3, 50, 4),
+    Case("vllm_cpu", True, torch.bfloat16, 2, 128, 64, True, 32, 2, 40, 4),
 ]
 
 
@@ -74,6 +80,12 @@ def _make_caches(case: Case, gen: torch.Generator) -> list[torch.Tensor]:
         if case.layout == "sglang":
             for _kv in range(2):
                 out.append(_storage(torch.randn(nb * bs, h, d, generator=gen) * 3, case.dtype))
+            continue
+        if case.layout in ("vllm_packed", "vllm_cpu"):
+            # Logical [blocks, heads, block, 2 * dim]; memory LBHNC (hnd) or LBNHC.
+            phys = (nb, h, bs, 2 * d) if case.hnd else (nb, bs, h, 2 * d)
+            t = _storage(torch.randn(*phys, generator=gen) * 3, case.dtype)
+            out.append(t if case.hnd else t.permute(0, 2, 1, 3))
             continue
         kv_first = case.layout == "flash_attn"
         phys = (2, nb, h, bs, d) if kv_first else (nb, 2, h, bs, d)
@@ -128,6 +140,12 @@ def _k_v(case: Case, cache: list[torch.Tensor], layer: int, slot: int) -> tuple[
     if case.layout == "sglang":
         return cache[2 * layer][slot], cache[2 * layer + 1][slot]
     kv = cache[layer]
+    d = case.head_dim
+    if case.layout == "vllm_packed":  # GPU backends: kv.transpose(1, 2).split(head_size, -1)
+        return kv[b, :, o, :d], kv[b, :, o, d:]
+    if case.layout == "vllm_cpu":  # CPU backend: kv.view(B, H, 2 * bs, d).chunk(2, dim=2)
+        page = kv[b].reshape(case.heads, 2 * case.block_size, d)
+        return page[:, o], page[:, case.block_size + o]
     if case.layout == "flash_attn":
         return kv[0, b, o], kv[1, b, o]
     return kv[b, 0, o], kv[b, 1, o]
@@ -261,6 +279,18 @@ def test_bad_layout_arguments_raise() -> None:
         transfer_kv_paged([kv], one, one + 1, one, spec, layout="flashinfer")
     with pytest.raises(ValueError, match="head_dim"):
         transfer_kv_paged([kv], one, one + 1, one, RopeSpec(128, 128, 1e4))
+    packed = torch.zeros(4, 2, 16, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="LBHNC"):
+        transfer_kv_paged(
+            [packed.transpose(1, 2).contiguous().transpose(1, 2)],
+            one,
+            one + 1,
+            one,
+            spec,
+            layout="vllm_cpu",
+        )
+    with pytest.raises(ValueError, match="2 \\* head_size"):
+        transfer_kv_paged([kv], one, one + 1, one, spec, layout="vllm_packed")
     k, v = _sglang_case_caches()
     with pytest.raises(ValueError, match="k_scales applies only to an fp8 cache"):
         transfer_kv_sglang(k, v, one, one + 1, one, spec, k_scales=[1.0, 1.0])
