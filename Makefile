@@ -3,12 +3,13 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 VENV_LEGACY ?= .venv-legacy
+VENV_VLLM ?= .venv-vllm
 export SEMBLEND_MODEL_CACHE ?= $(CURDIR)/.cache/models
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint bench serve prepare-model clean venv-legacy test-legacy
+.PHONY: venv test lint bench serve prepare-model clean venv-legacy test-legacy venv-vllm test-vllm
 
 venv:
 	@scripts/bootstrap.sh $(VENV)
@@ -17,9 +18,10 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# tests/legacy need a legacy sglang: they are test-legacy's (in .venv they would only skip).
+# tests/legacy need a legacy sglang, tests/vllm need vLLM: they are test-legacy's and
+# test-vllm's (the main .venv has neither).
 test: lint
-	$(PY) -m pytest -q --ignore=tests/legacy $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/legacy --ignore=tests/vllm $(PYTEST_ARGS)
 
 # The legacy-sglang adapter (0.5.15, RadixCache) in its own environment, .venv-legacy:
 # tests/legacy only. scripts/bootstrap-legacy.sh is idempotent like bootstrap.sh.
@@ -28,6 +30,14 @@ venv-legacy:
 
 test-legacy: venv-legacy
 	$(VENV_LEGACY)/bin/python -m pytest -q tests/legacy $(PYTEST_ARGS)
+
+# The vLLM connector (vLLM 0.32.0) in its own environment, .venv-vllm: tests/vllm only.
+# scripts/bootstrap-vllm.sh is idempotent like bootstrap.sh.
+venv-vllm:
+	@scripts/bootstrap-vllm.sh $(VENV_VLLM)
+
+test-vllm: venv-vllm
+	$(VENV_VLLM)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
 prepare-model: venv
 	$(VENV)/bin/semblend-sglang prepare-model
@@ -39,4 +49,4 @@ serve: venv
 	$(VENV)/bin/semblend-sglang serve
 
 clean:
-	rm -rf $(VENV) $(VENV_LEGACY) .cache build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_VLLM) .cache build dist *.egg-info .pytest_cache .ruff_cache

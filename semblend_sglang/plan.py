@@ -43,6 +43,7 @@ class Reason:
     UNSUPPORTED_CACHE = "unsupported_cache"
     DONOR_ON_HOST = "donor_on_host"
     ABORTED = "aborted"
+    NOT_AT_BOUNDARY = "not_at_boundary"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -67,6 +68,7 @@ class Reason:
         UNSUPPORTED_CACHE,
         DONOR_ON_HOST,
         ABORTED,
+        NOT_AT_BOUNDARY,
         OTHER,
     )
 

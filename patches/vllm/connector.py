@@ -1,0 +1,287 @@
+"""SemBlendConnector: semantic KV reuse for vLLM through its KVConnectorBase_V1 interface.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "SemBlendConnector",
+      "kv_connector_module_path": "semblend_sglang.patches.vllm.connector",
+      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"mode": "exact_prefix"}}'
+
+Written against vLLM 0.32.0 (docs/vllm.md). The scheduler-side instance finds donors and plans
+loads (:mod:`.scheduler_side`); each worker-side instance copies donor KV into the request's own
+blocks before the forward (:mod:`.worker_side`). Loads are synchronous. Every method is fail-open:
+an exception inside semblend is counted, logged once, and answered as "nothing to load" (or, once
+vLLM already counts tokens as loaded, as a failed load that vLLM recomputes). Configuration errors
+are raised from the constructor, at engine start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from semblend_sglang.config import ConfigError
+from semblend_sglang.kernels import RopeSpec
+
+from .metadata import SemBlendConnectorMetadata
+from .scheduler_side import SchedulerSide, unsupported_reason
+from .settings import ConnectorSettings, settings_from_extra_config
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HAS_MODEL_HOOK = hasattr(KVConnectorBase_V1, "register_model")
+"""Whether the installed vLLM calls ``register_model(model)`` on worker connectors (seed 003's
+hook). Without it the RoPE layout comes from the model's config alone."""
+
+
+def check_engine_settings(settings: ConnectorSettings, vllm_config: Any) -> None:
+    """Raise ConfigError for engine settings a materializing mode cannot run safely with."""
+    if not settings.materializes:
+        return
+    kv = vllm_config.kv_transfer_config
+    policy = getattr(kv, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ConfigError(
+            "kv_load_failure_policy",
+            policy,
+            f"'recompute' with mode={settings.mode!r} (a failed semantic load must fall back to "
+            "a normal prefill, not fail the request)",
+        )
+    if (
+        settings.mode == "request_only_experimental"
+        and vllm_config.cache_config.enable_prefix_caching
+    ):
+        raise ConfigError(
+            "mode",
+            settings.mode,
+            "a vLLM engine started with --no-enable-prefix-caching (substituted prefixes must "
+            "not meet vLLM's exact prefix cache)",
+        )
+
+
+def rope_spec_for(vllm_config: Any) -> tuple[RopeSpec | None, str | None]:
+    """The model's RoPE spec from its HF config, or (None, why)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return None, "no model config"
+    try:
+        return RopeSpec.from_hf_config(model_config.hf_config), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+class SemBlendConnector(KVConnectorBase_V1):
+    """vLLM KV connector that reuses an earlier request's KV for aligned, token-identical spans.
+
+    Modes (``kv_connector_extra_config["mode"]``): ``discovery_only`` (default; lookups and
+    telemetry, always ``(0, False)``), ``exact_prefix`` and ``request_only_experimental``
+    (docs/vllm.md). vLLM calls the scheduler methods on its scheduler thread and the worker methods
+    on each worker; no method raises into vLLM after construction.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
+        self.settings = settings_from_extra_config(extra)
+        check_engine_settings(self.settings, vllm_config)
+        cache_config = vllm_config.cache_config
+        self.block_size = int(cache_config.block_size)
+        self.errors: dict[str, int] = {}
+        self._logged: set[str] = set()
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        model_config = getattr(vllm_config, "model_config", None)
+        if role == KVConnectorRole.SCHEDULER:
+            unsupported = unsupported_reason(vllm_config, kv_cache_config)
+            if unsupported is not None and self.settings.materializes:
+                logger.warning("semblend: loads disabled: %s (lookups continue)", unsupported)
+            self.scheduler_side = SchedulerSide(
+                self.settings,
+                block_size=self.block_size,
+                prefix_caching=bool(cache_config.enable_prefix_caching),
+                model=str(getattr(model_config, "served_model_name", None) or "")
+                or str(getattr(model_config, "model", "") or ""),
+                tokenizer=str(getattr(model_config, "tokenizer", "") or ""),
+                unsupported=unsupported,
+            )
+        else:
+            spec, why = rope_spec_for(vllm_config)
+            if spec is None and self.settings.materializes:
+                logger.warning("semblend: no RoPE spec (%s); loads will be recomputed", why)
+            self.worker_side = WorkerSide(
+                vllm_config,
+                block_size=self.block_size,
+                layout=self.settings.kv_cache_layout,
+                spec=spec,
+            )
+        logger.info(
+            "semblend: vLLM connector (%s, mode=%s, model hook %s)",
+            role.name.lower(),
+            self.settings.mode,
+            "present" if HAS_MODEL_HOOK else "absent",
+        )
+
+    # ------------------------------------------------------------------ fail-open
+    def _guard(self, where: str, default: T, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.errors[where] = self.errors.get(where, 0) + 1
+            if where not in self._logged:
+                self._logged.add(where)
+                logger.exception("semblend: %s failed (%s); continuing without it", where, exc)
+            return default
+
+    # ------------------------------------------------------------------ scheduler side
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Nothing is handed off: a dropped load is recomputed, never awaited."""
+        return False
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Keep vLLM's BlockPool: donors and load jobs hold block references in it."""
+        if self.scheduler_side is not None:
+            self._guard("bind_pool", None, self.scheduler_side.bind_pool, gpu_block_pool)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens past ``num_computed_tokens`` this connector will load (synchronously).
+        Changes no vLLM state; the provider caches its first decision per request."""
+        side = self.scheduler_side
+        if side is None:
+            return 0, False
+        choice = self._guard("lookup", None, side.choose, request, num_computed_tokens)
+        return (0 if choice is None else choice.num_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Queue the load job for the allocated blocks (or settle a declined plan)."""
+        if self.scheduler_side is not None:
+            self._guard(
+                "after_alloc",
+                None,
+                self.scheduler_side.after_alloc,
+                request,
+                blocks,
+                num_external_tokens,
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's load jobs (small, picklable)."""
+        side = self.scheduler_side
+        if side is None:
+            return SemBlendConnectorMetadata()
+        return side.build_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Return the request's leases and, unless it received donor KV, keep its computed
+        prompt blocks as a donor. Never delays freeing; no transfer params."""
+        if self.scheduler_side is not None:
+            self._guard("request_finished", None, self.scheduler_side.finished, request, block_ids)
+        return False, None
+
+    def snapshot(self) -> dict[str, Any]:
+        """Provider telemetry plus donor and error counts (scheduler side) or load counts
+        (worker side)."""
+        if self.scheduler_side is not None:
+            snap = self.scheduler_side.provider.snapshot()
+            snap["held_donors"] = self.scheduler_side.donors
+            snap["held_donor_blocks"] = self.scheduler_side.pinned_blocks
+        else:
+            assert self.worker_side is not None
+            snap = {
+                "loaded_tokens": self.worker_side.loaded_tokens,
+                "failed_loads": self.worker_side.failed_jobs,
+            }
+        snap["connector_errors"] = dict(self.errors)
+        return snap
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the worker's per-layer cache tensors."""
+        if self.worker_side is not None:
+            self._guard("register_kv_caches", None, self.worker_side.register, kv_caches)
+
+    def register_model(self, model: torch.nn.Module) -> None:
+        """Seed 003's worker hook (called only by a vLLM that has it): take the rotary layout
+        (NeoX or GPT-J) from the model's own rotary module."""
+        if self.worker_side is None:
+            return
+
+        def work() -> None:
+            spec = self.worker_side.spec if self.worker_side else None
+            for module in model.modules():
+                neox = getattr(module, "is_neox_style", None)
+                if spec is not None and isinstance(neox, bool) and hasattr(module, "rotary_dim"):
+                    if neox != spec.is_neox_style:
+                        self.worker_side.set_rope_spec(  # type: ignore[union-attr]
+                            RopeSpec.from_hf_config(
+                                self._vllm_config.model_config.hf_config, is_neox_style=neox
+                            )
+                        )
+                    return
+
+        self._guard("register_model", None, work)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Run this step's load jobs before the forward."""
+        if self.worker_side is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, SemBlendConnectorMetadata) and meta.loads:
+            self._guard("start_load_kv", None, self.worker_side.load, meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in start_load_kv: nothing to wait for."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing is saved: donors stay in vLLM's own blocks."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Target blocks of this step's failed loads (vLLM recomputes them)."""
+        if self.worker_side is None:
+            return set()
+        return self.worker_side.take_failed_blocks()
+
+    def shutdown(self) -> None:
+        """Return every block reference the scheduler side holds."""
+        if self.scheduler_side is not None and self.scheduler_side.pool is not None:
+            self._guard("shutdown", None, self.scheduler_side.release_all)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Any layout: the worker reads the attention backend's own."""
+        return None
