@@ -55,6 +55,24 @@ def _run_donor(h: VllmHarness, tokens: list[int], **kw: Any) -> Any:
     return donor
 
 
+def _with_donor(
+    model_dir: Path,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+    essay: int,
+    *,
+    donor_kw: dict[str, Any] | None = None,
+    **harness_kw: Any,
+) -> tuple[VllmHarness, list[int], list[int]]:
+    """A harness (exact_prefix unless ``mode`` says otherwise) that has served the donor
+    ``system + instructions[0] + doc`` of ``essay``; returns it, the doc and the system prompt."""
+    harness_kw.setdefault("mode", "exact_prefix")
+    h = _harness(model_dir, **harness_kw)
+    doc, system = _doc(passages, essay), _system(passages)
+    _run_donor(h, system + instructions[0] + doc, **(donor_kw or {}))
+    return h, doc, system
+
+
 def test_connector_is_a_real_kv_connector_v1_subclass(smollm2_model_dir: Path) -> None:
     h = _harness(smollm2_model_dir, mode="discovery_only")
     assert isinstance(h.connector, KVConnectorBase_V1)
@@ -68,9 +86,9 @@ def test_connector_is_a_real_kv_connector_v1_subclass(smollm2_model_dir: Path) -
 def test_discovery_only_records_hits_and_returns_zero(
     smollm2_model_dir: Path, passages: list[list[list[int]]], instructions: list[list[int]]
 ) -> None:
-    h = _harness(smollm2_model_dir, mode="discovery_only")
-    doc, system = _doc(passages, 2), _system(passages)
-    _run_donor(h, system + instructions[0] + doc)
+    h, doc, system = _with_donor(
+        smollm2_model_dir, passages, instructions, 2, mode="discovery_only"
+    )
     target = h.submit(system + instructions[1] + doc)
     side = h.connector.scheduler_side
     assert side is not None
@@ -125,9 +143,7 @@ def test_exact_prefix_loads_the_span_at_the_computed_boundary(
 def test_exact_prefix_declines_a_span_off_the_boundary(
     smollm2_model_dir: Path, passages: list[list[list[int]]], instructions: list[list[int]]
 ) -> None:
-    h = _harness(smollm2_model_dir, mode="exact_prefix")
-    doc, system = _doc(passages, 4), _system(passages)
-    _run_donor(h, system + instructions[0] + doc)
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 4)
     target = h.submit(system + instructions[1] + doc)
     assert h.connector.get_num_new_matched_tokens(target, SYSTEM) == (0, False)
     h.run_until_idle()
@@ -208,9 +224,7 @@ def test_namespaces_are_never_crossed(
     target_kw: dict[str, Any],
     loads: bool,
 ) -> None:
-    h = _harness(smollm2_model_dir, mode="exact_prefix")
-    doc, system = _doc(passages, 6), _system(passages)
-    _run_donor(h, system + instructions[0] + doc, **donor_kw)
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 6, donor_kw=donor_kw)
     h.submit(system + doc, **target_kw)
     h.run_until_idle()
     assert bool(h.load_jobs) is loads
@@ -223,9 +237,7 @@ def test_provider_error_fails_open(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    h = _harness(smollm2_model_dir, mode="exact_prefix")
-    doc, system = _doc(passages, 7), _system(passages)
-    _run_donor(h, system + instructions[0] + doc)
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 7)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("provider exploded")
@@ -245,9 +257,7 @@ def test_failed_load_is_recomputed_by_vllm(
     instructions: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    h = _harness(smollm2_model_dir, mode="exact_prefix")
-    doc, system = _doc(passages, 8), _system(passages)
-    _run_donor(h, system + instructions[0] + doc)
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 8)
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("kernel exploded")
@@ -311,9 +321,7 @@ def test_unpublished_guard_is_what_keeps_the_exact_cache_exact(
 ) -> None:
     """With the publication guard disabled, the invariant check must catch the loaded blocks
     in vLLM's prefix cache (the check can fail)."""
-    h = _harness(smollm2_model_dir, mode="exact_prefix")
-    doc, system = _doc(passages, 9), _system(passages)
-    _run_donor(h, system + instructions[0] + doc)
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 9)
     monkeypatch.setattr(SchedulerSide, "_keep_private", lambda *a, **k: None)
     h.submit(system + doc)
     h.step()
@@ -328,9 +336,7 @@ def test_lease_accounting_is_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A lease that is never returned (a leaked reference) is caught by the invariant check."""
-    h = _harness(smollm2_model_dir, mode="exact_prefix")
-    doc, system = _doc(passages, 10), _system(passages)
-    _run_donor(h, system + instructions[0] + doc)
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 10)
     side = h.connector.scheduler_side
     assert side is not None
     h.submit(system + doc)
