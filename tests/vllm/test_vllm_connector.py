@@ -116,10 +116,13 @@ def test_exact_prefix_loads_the_span_at_the_computed_boundary(
     assert not rest and not job.failed and job.target_start == SYSTEM
     assert job.delta == -len(instructions[0])
     assert job.num_tokens % 16 == 0 and job.num_tokens >= len(doc) - 32
-    # The recipient's loaded K is the donor's cold K rotated by delta (the torch reference),
-    # its V the donor's V, in every layer.
+    # The recipient's loaded K is the donor's cold K rotated by delta (the torch reference
+    # rotation), its V the donor's V, in every layer. The tolerance is relative to each rotation
+    # pair's magnitude (the deterministic KV carries values up to 8e6): a wrong shift or slot
+    # is off by the pair's whole magnitude.
     spec = RopeSpec.from_hf_config(h.config.model_config.hf_config)
     ns = h.tracked[target.request_id].ns_id
+    half = spec.rotary_dim // 2
     for x in range(0, job.num_tokens, 7):
         p = job.target_start + x
         b, o = h.slot(target, p)
@@ -127,7 +130,9 @@ def test_exact_prefix_loads_the_span_at_the_computed_boundary(
             k, v = h.kv_at(layer, b, o)
             dk, dv = h.expected_cold(donor_tokens, ns, layer, p - job.delta)
             want = rotate_fp32(dk[None], torch.tensor([job.delta]), spec)[0]
-            assert torch.allclose(k, want, rtol=1e-5, atol=1e-3), (p, layer)
+            norm = torch.hypot(dk[:, :half], dk[:, half : 2 * half]).repeat(1, 2)
+            err = (k - want).abs() / (norm + 1.0)
+            assert err.max() < 1e-4, (p, layer, float(err.max()))
             assert torch.equal(v, dv)
     h.run_until_idle()
     snap = _snap(h)
