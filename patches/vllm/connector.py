@@ -137,6 +137,7 @@ class SemBlendConnector(KVConnectorBase_V1):
                 block_size=self.block_size,
                 layout=self.settings.kv_cache_layout,
                 spec=spec,
+                on_error=self._record_error,
             )
         logger.info(
             "semblend: vLLM connector (%s, mode=%s, model hook %s)",
@@ -150,11 +151,22 @@ class SemBlendConnector(KVConnectorBase_V1):
         try:
             return fn(*args)
         except Exception as exc:
-            self.errors[where] = self.errors.get(where, 0) + 1
-            if where not in self._logged:
-                self._logged.add(where)
-                logger.exception("semblend: %s failed (%s); continuing without it", where, exc)
+            self._record_error(where, exc)
             return default
+
+    def _record_error(self, where: str, exc: BaseException) -> None:
+        """Count an error in semblend's path; log it once per (where, exception type)."""
+        self.errors[where] = self.errors.get(where, 0) + 1
+        key = f"{where}:{type(exc).__name__}"
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(
+                "semblend: %s failed (%s: %s); continuing without it",
+                where,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
 
     # ------------------------------------------------------------------ scheduler side
     @property

@@ -18,7 +18,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,11 +51,6 @@ class LoadChoice:
 class _Donor:
     blocks: list[Any]
     tokens: np.ndarray
-
-
-@dataclass
-class _Recipient:
-    leases: list[list[Any]] = field(default_factory=list)
 
 
 def private_block_hash(request_id: str, index: int, block_hash: bytes) -> bytes:
@@ -113,9 +108,9 @@ def unsupported_reason(vllm_config: Any, kv_cache_config: Any) -> str | None:
 class SchedulerSide:
     """Donor registry, lookup and load planning for one vLLM scheduler.
 
-    ``provider``: the shared :class:`SemanticProvider` (built from ``settings.config`` when
-    None). ``model`` / ``tokenizer``: the namespace's model and tokenizer identity. Methods are
-    called by the connector only; :meth:`choose` has no effect on vLLM state.
+    ``provider`` is the shared :class:`SemanticProvider`, built from ``settings.config``.
+    ``model`` / ``tokenizer``: the namespace's model and tokenizer identity. Methods are called
+    by the connector only; :meth:`choose` has no effect on vLLM state.
     """
 
     def __init__(
@@ -127,7 +122,6 @@ class SchedulerSide:
         model: str,
         tokenizer: str,
         unsupported: str | None = None,
-        provider: SemanticProvider | None = None,
     ) -> None:
         self.settings = settings
         self.block_size = block_size
@@ -138,13 +132,14 @@ class SchedulerSide:
         self.holds_blocks = settings.materializes
         """Loading modes hold donor blocks; discovery_only keeps only tokens (no KV memory)."""
         source = self._donor_tokens if self.holds_blocks else None
-        self.provider = provider or SemanticProvider(settings.config, source)
+        self.provider = SemanticProvider(settings.config, source)
         self.pool: Any = None
         self.budget_blocks = 0
         self.pinned_blocks = 0
         self.released_donors = 0
         self._donors: OrderedDict[str, _Donor] = OrderedDict()
-        self._recipients: dict[str, _Recipient] = {}
+        self._leases: dict[str, list[list[Any]]] = {}
+        """Per recipient, the donor blocks its load jobs hold (one list per job)."""
         self._choices: dict[str, LoadChoice] = {}
         self._loads: list[LoadJob] = []
 
@@ -233,29 +228,24 @@ class SchedulerSide:
         rid = request.request_id
         choice = self._choices.pop(rid, None)
         if num_external_tokens <= 0:
-            reason = Reason.ENGINE_DECLINED if choice is None else choice.reason
-            self.provider.record_declined(
-                rid, Reason.ENGINE_DECLINED if reason == Reason.PLANNED else reason
-            )
+            planned = choice is None or choice.reason == Reason.PLANNED
+            self.provider.record_declined(rid, Reason.ENGINE_DECLINED if planned else choice.reason)
             return
         block_ids: list[int] = list(blocks.get_block_ids()[0])
-        start = choice.target_start if choice is not None else 0
         try:
             why = self._queue_load(request, block_ids, choice, num_external_tokens)
         except Exception:
-            why = "error"
+            self._queue_failed(request, block_ids, choice, num_external_tokens, "error")
             raise
-        finally:
-            if why is not None:
-                self._loads.append(self._failed_job(rid, block_ids, start, num_external_tokens))
-                self.provider.record_cold_fallback(rid, where=f"vllm_alloc:{why}")
+        if why is not None:
+            self._queue_failed(request, block_ids, choice, num_external_tokens, why)
 
     def _queue_load(
         self, request: Any, block_ids: list[int], choice: LoadChoice | None, n: int
     ) -> str | None:
         """Queue the job for ``choice``; returns why it cannot be (None: queued)."""
         rid = request.request_id
-        self._recipients.setdefault(rid, _Recipient())
+        leases = self._leases.setdefault(rid, [])
         if choice is None:  # unknown range: keep every block of the request private
             self._keep_private(request, block_ids, 0)
             return "no_choice"
@@ -275,7 +265,7 @@ class SchedulerSide:
         ):
             return "shared_target"
         self.pool.touch(donor_blocks)
-        self._recipients[rid].leases.append(donor_blocks)
+        leases.append(donor_blocks)
         self._loads.append(
             LoadJob(
                 request_id=rid,
@@ -289,8 +279,14 @@ class SchedulerSide:
         self.provider.record_materialized(rid, n)
         return None
 
-    def _failed_job(self, rid: str, block_ids: Sequence[int], start: int, n: int) -> LoadJob:
-        return LoadJob(rid, (), tuple(block_ids), start, start, n, failed=True)
+    def _queue_failed(
+        self, request: Any, block_ids: list[int], choice: LoadChoice | None, n: int, why: str
+    ) -> None:
+        start = choice.target_start if choice is not None else 0
+        self._loads.append(
+            LoadJob(request.request_id, (), tuple(block_ids), start, start, n, failed=True)
+        )
+        self.provider.record_cold_fallback(request.request_id, where=f"vllm_alloc:{why}")
 
     def _keep_private(self, request: Any, block_ids: Sequence[int], first_block: int) -> None:
         if not self.prefix_caching or self.pool is None:
@@ -316,12 +312,11 @@ class SchedulerSide:
         KV (its blocks are then held by this class)."""
         rid = request.request_id
         self._choices.pop(rid, None)
-        recipient = self._recipients.pop(rid, None)
-        if recipient is not None:
-            for blocks in recipient.leases:
-                self.pool.free_blocks(blocks)
+        leases = self._leases.pop(rid, None)
+        for blocks in leases or ():
+            self.pool.free_blocks(blocks)
         self.provider.release(rid)
-        if recipient is None and eligible(request) and self.pool is not None:
+        if leases is None and eligible(request) and self.pool is not None:
             self._register(request, block_ids)
 
     def _register(self, request: Any, block_ids: Sequence[int]) -> None:
@@ -366,8 +361,8 @@ class SchedulerSide:
 
     def release_all(self) -> None:
         """Return every reference this side holds (connector shutdown)."""
-        for rid in list(self._recipients):
-            for blocks in self._recipients.pop(rid).leases:
+        for rid in list(self._leases):
+            for blocks in self._leases.pop(rid):
                 self.pool.free_blocks(blocks)
         for handle in list(self._donors):
             self._forget(handle)

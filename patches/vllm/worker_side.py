@@ -4,7 +4,8 @@ Runs in each vLLM worker, called only by :class:`SemBlendConnector`'s worker met
 the model's forward (``start_load_kv``). A job copies donor KV into the recipient's own blocks
 in every layer with :func:`semblend_sglang.kernels.transfer_kv_paged` (keys RoPE-corrected by
 the position shift): Triton on CUDA, torch on CPU. It never raises into vLLM: a job that cannot
-run is logged once, counted, and its target blocks are reported through
+run goes to the connector's error handler (counted, logged once), and its target blocks are
+reported through
 ``get_block_ids_with_load_errors`` so that vLLM (``kv_load_failure_policy: recompute``)
 recomputes them.
 """
@@ -12,7 +13,7 @@ recomputes them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -62,11 +63,18 @@ class WorkerSide:
     """Holds one worker's KV-cache tensors and applies load jobs to them.
 
     ``layout``: ``auto`` or a kernel layout name (``vllm_packed``, ``vllm_cpu``). ``spec``:
-    the model's RoPE (None: every job fails, with the reason logged once).
+    the model's RoPE (None: every job fails). ``on_error(where, exc)`` receives each failed
+    job's exception (the connector counts and logs it once).
     """
 
     def __init__(
-        self, vllm_config: Any, *, block_size: int, layout: str, spec: RopeSpec | None
+        self,
+        vllm_config: Any,
+        *,
+        block_size: int,
+        layout: str,
+        spec: RopeSpec | None,
+        on_error: Callable[[str, BaseException], None],
     ) -> None:
         self.vllm_config = vllm_config
         self.block_size = block_size
@@ -77,7 +85,7 @@ class WorkerSide:
         self.failed_blocks: set[int] = set()
         self.loaded_tokens = 0
         self.failed_jobs = 0
-        self._logged: set[str] = set()
+        self.on_error = on_error
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Keep vLLM's per-layer cache tensors (one entry per distinct tensor) and settle the
@@ -95,7 +103,7 @@ class WorkerSide:
         else:
             self.layout = self.layout_setting
         if self.layout is None:
-            self._log_once("layout", f"no supported KV layout ({how}); loads will be recomputed")
+            logger.warning("semblend: no supported KV layout (%s); loads will be recomputed", how)
         else:
             logger.info("semblend: worker KV layout %s (%s)", self.layout, how)
 
@@ -126,14 +134,9 @@ class WorkerSide:
             except Exception as exc:
                 self.failed_jobs += 1
                 self.failed_blocks |= job.target_blocks_written(self.block_size)
-                self._log_once(type(exc).__name__, f"load for {job.request_id} failed: {exc}")
+                self.on_error("load", exc)
 
     def take_failed_blocks(self) -> set[int]:
         """Target blocks of failed jobs since the last call (vLLM recomputes them)."""
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
-
-    def _log_once(self, key: str, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.warning("semblend: %s (logged once)", message)

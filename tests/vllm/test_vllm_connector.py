@@ -346,8 +346,8 @@ def test_lease_accounting_is_checked(
     assert side is not None
     h.submit(system + doc)
     h.step()
-    assert side._recipients
-    monkeypatch.setattr(side, "_recipients", {})  # the connector forgets the lease it holds
+    assert side._leases
+    monkeypatch.setattr(side, "_leases", {})  # the connector forgets the lease it holds
     with pytest.raises(InvariantViolation, match="ref_cnt"):
         check_invariants(h)
 
@@ -419,7 +419,9 @@ def test_worker_load_on_gpu_matches_the_torch_reference(smollm2_model_dir: Path)
 
     h = _harness(smollm2_model_dir, mode="exact_prefix")
     spec = RopeSpec.from_hf_config(h.config.model_config.hf_config)
-    side = WorkerSide(h.config, block_size=16, layout="vllm_packed", spec=spec)
+    side = WorkerSide(
+        h.config, block_size=16, layout="vllm_packed", spec=spec, on_error=h.worker._record_error
+    )
     gen = torch.Generator().manual_seed(3)
     caches = {f"l{i}": torch.randn(64, 3, 16, 128, generator=gen).cuda() for i in range(2)}
     side.register(caches)

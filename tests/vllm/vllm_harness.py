@@ -349,8 +349,8 @@ def check_invariants(h: VllmHarness) -> None:
     for donor in side._donors.values():
         for b in donor.blocks:
             expected[b.block_id] += 1
-    for rec in side._recipients.values():
-        for lease in rec.leases:
+    for leases in side._leases.values():
+        for lease in leases:
             for b in lease:
                 expected[b.block_id] += 1
     for b in pool.blocks:
