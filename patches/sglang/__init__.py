@@ -79,7 +79,18 @@ def load_plugin() -> None:
 
     In the HTTP server's process it also adds ``GET /semblend/snapshot`` (.http_routes).
     A bad configuration is logged (with the offending key) and leaves SGLang unpatched.
+    On a CPU runtime it first makes torch_native's extend query-only, whatever
+    ``SEMBLEND_ENABLED`` says (``.attention.install_cpu_query_only_extend``; off with
+    ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``).
     """
+    try:
+        from .attention import install_cpu_query_only_extend
+
+        install_cpu_query_only_extend()
+    except Exception as exc:
+        logger.error(
+            "semblend: CPU query-only extend not installed (%s: %s)", type(exc).__name__, exc
+        )
     if os.environ.get("SEMBLEND_ENABLED", "0").strip().lower() not in ("1", "true", "yes", "on"):
         return
     try:

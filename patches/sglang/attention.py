@@ -1,0 +1,407 @@
+"""Attention-backend hooks for a sparse extend (sglang 0.5.23 ``TorchNativeAttnBackend``,
+``TritonAttnBackend``), and the CPU runtime's query-only extend.
+
+A *sparse* request in an EXTEND batch is one with ``extend_prefix_len + extend_seq_len !=
+seq_len``: its row ``req_to_token[row, 0:n]`` holds every position in order, its computed
+tokens sit at ``forward_batch.positions`` (ascending), and a query at position ``p`` must see
+every key at position ``<= p`` (contract: :mod:`semblend_sglang.kernels.sparse_extend`).
+
+- torch_native: ``_run_sdpa_forward_extend`` runs :func:`extend_attention_query_only`. An
+  ordinary request's query positions are taken as ``[m, n)`` from ``extend_prefix_lens``, as
+  SGLang does, so an ordinary batch keeps SGLang's semantics exactly; only a sparse request's come
+  from ``forward_batch.positions``. With ``every_extend`` off (the default) only batches holding
+  a sparse request take this path; :func:`install_cpu_query_only_extend` turns it on.
+- triton: ``init_forward_metadata`` replaces the extend metadata of a batch holding a sparse
+  request with :func:`build_sparse_extend_metadata`'s, and ``_forward_extend_kernel`` then passes
+  ``skip_prefix_custom_mask=False``. Batches without a sparse request are untouched.
+
+SGLang's own path is kept for what this cannot match (cross or encoder-only attention, sliding
+window, encoder lens, no 1-D ``positions``, speculative modes); a sparse batch that reaches such a
+path raises :class:`SparseExtendUnsupported` instead of computing wrong attention. Callers decide
+beforehand with :func:`sparse_extend_supported`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
+from semblend_sglang.kernels.sparse_extend_triton import (
+    SKIP_PREFIX_CUSTOM_MASK,
+    build_sparse_extend_metadata,
+)
+
+from .adapter import Originals, install_wrappers, restore
+
+logger = logging.getLogger(__name__)
+
+CPU_QUERY_ONLY_ENV = "SEMBLEND_CPU_QUERY_ONLY_EXTEND"
+"""Set to 0 to keep SGLang's torch_native extend on a CPU runtime (default on)."""
+
+SPARSE_EXTEND_BACKENDS = frozenset({"torch_native", "triton"})
+"""``--attention-backend`` names whose backend class these hooks serve (see
+:func:`sparse_extend_supported` for the per-instance conditions)."""
+
+_lock = threading.Lock()
+_originals: dict[str, Originals] = {}
+_every_extend = False
+
+
+class SparseExtendUnsupported(RuntimeError):
+    """A batch holding a sparse request reached an attention path that cannot mask by position."""
+
+
+# ------------------------------------------------------------------------------------ batches
+def _cpu_list(values: Any, tensor: Any) -> list[int] | None:
+    if values is not None:
+        return [int(x) for x in values]
+    if tensor is not None:
+        return [int(x) for x in tensor.tolist()]
+    return None
+
+
+def _lens(forward_batch: Any) -> tuple[list[int], list[int], list[int]] | None:
+    prefix = _cpu_list(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
+    extend = _cpu_list(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
+    seq = _cpu_list(None, forward_batch.seq_lens_cpu)
+    if seq is None and forward_batch.seq_lens is not None:
+        seq = [int(x) for x in forward_batch.seq_lens.tolist()]
+    if prefix is None or extend is None or seq is None:
+        return None
+    return prefix, extend, seq
+
+
+def is_sparse_batch(forward_batch: Any) -> bool:
+    """True when an extend batch holds a request with ``prefix_len + extend_len != seq_len``.
+
+    Reads ``extend_prefix_lens(_cpu)``, ``extend_seq_lens(_cpu)`` and ``seq_lens(_cpu)``; False
+    for any batch without them (decode, idle).
+    """
+    if not forward_batch.forward_mode.is_extend():
+        return False
+    lens = _lens(forward_batch)
+    if lens is None:
+        return False
+    return any(m + c != n for m, c, n in zip(*lens, strict=True))
+
+
+def _is_plain_extend(forward_batch: Any) -> bool:
+    mode = forward_batch.forward_mode
+    return bool(mode.is_extend()) and (mode.name in ("EXTEND", "MIXED"))
+
+
+def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
+    """(position of every computed token, batch is sparse), or None when they cannot be known.
+
+    Ordinary requests get ``arange(m, n)`` (SGLang's own query placement); sparse requests get
+    their segment of ``forward_batch.positions``, which must then be 1-D with one entry per
+    computed token. None for a batch that is not EXTEND/MIXED, has encoder lens, lacks the length
+    fields, or has a sparse request without usable positions.
+    """
+    if not _is_plain_extend(forward_batch) or forward_batch.encoder_lens is not None:
+        return None
+    lens = _lens(forward_batch)
+    if lens is None:
+        return None
+    prefix, extend, seq = lens
+    sparse = [m + c != n for m, c, n in zip(prefix, extend, seq, strict=True)]
+    positions = forward_batch.positions
+    if any(sparse) and (
+        positions is None or positions.dim() != 1 or positions.shape[0] != sum(extend)
+    ):
+        return None
+    device = forward_batch.seq_lens.device
+    parts, start = [], 0
+    for m, c, is_sparse in zip(prefix, extend, sparse, strict=True):
+        if is_sparse:
+            parts.append(positions[start : start + c].to(device=device, dtype=torch.int64))
+        else:
+            parts.append(torch.arange(m, m + c, device=device, dtype=torch.int64))
+        start += c
+    qpos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+    return qpos, any(sparse)
+
+
+# ------------------------------------------------------------------------------ torch_native
+def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
+    """query_positions, computed once per forward batch (forward_extend runs once per layer)."""
+    cached = getattr(backend, "_semblend_qpos", None)
+    if cached is not None and cached[0]() is forward_batch:
+        return cached[1]
+    value = query_positions(forward_batch)
+    try:
+        backend._semblend_qpos = (weakref.ref(forward_batch), value)
+    except TypeError:  # an object without weak references: no cache
+        backend._semblend_qpos = None
+    return value
+
+
+def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
+    forward_extend = native.forward_extend
+    run_sdpa = native._run_sdpa_forward_extend
+
+    def forward_extend_hook(
+        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        sparse = is_sparse_batch(forward_batch)
+        info = _cached_positions(self, forward_batch) if sparse or _every_extend else None
+        use = info is not None
+        if not use and sparse:
+            raise SparseExtendUnsupported("torch_native: sparse extend without query positions")
+        self._semblend_active = (info[0], sparse) if use else None
+        try:
+            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+        finally:
+            self._semblend_active = None
+
+    def run_sdpa_hook(
+        self: Any,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_prefix_lens: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        encoder_lens: torch.Tensor | None = None,
+        scaling: float | None = None,
+        enable_gqa: bool = False,
+        causal: bool = False,
+        is_cross_attn: bool = False,
+        sliding_window_size: int | None = None,
+    ) -> torch.Tensor:
+        active = getattr(self, "_semblend_active", None)
+        eligible = (
+            active is not None
+            and causal
+            and not is_cross_attn
+            and encoder_lens is None
+            and (sliding_window_size is None or sliding_window_size < 0)
+            and not getattr(self, "use_sliding_window_kv_pool", False)
+        )
+        if eligible:
+            return extend_attention_query_only(
+                query,
+                k_cache,
+                v_cache,
+                output,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                extend_seq_lens,
+                active[0],
+                scaling=scaling,
+                enable_gqa=enable_gqa,
+                causal=True,
+            )
+        if active is not None and active[1]:
+            raise SparseExtendUnsupported(
+                "torch_native: sparse extend on a cross, encoder-only or sliding-window layer"
+            )
+        return run_sdpa(
+            self,
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_prefix_lens,
+            extend_seq_lens,
+            encoder_lens,
+            scaling=scaling,
+            enable_gqa=enable_gqa,
+            causal=causal,
+            is_cross_attn=is_cross_attn,
+            sliding_window_size=sliding_window_size,
+        )
+
+    return {
+        (native, "forward_extend"): forward_extend_hook,
+        (native, "_run_sdpa_forward_extend"): run_sdpa_hook,
+    }
+
+
+# ------------------------------------------------------------------------------------ triton
+def _triton_supported(backend: Any) -> bool:
+    swa = getattr(backend, "sliding_window_size", None)
+    return (
+        getattr(backend, "dcp_size", 1) == 1
+        and not getattr(backend, "enable_deterministic", False)
+        and getattr(backend, "dllm_attention", None) is None
+        and not getattr(backend, "use_mla", False)
+        and getattr(backend, "page_size", 1) == 1
+        and (swa is None or swa <= 0)
+        and not getattr(backend, "use_sliding_window_kv_pool", False)
+    )
+
+
+def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
+    init_metadata = triton_cls.init_forward_metadata
+    init_out_graph = triton_cls.init_forward_metadata_out_graph
+    run_kernel = triton_cls._forward_extend_kernel
+
+    def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
+        self._semblend_metadata = None
+        result = init_metadata(self, forward_batch)
+        if not is_sparse_batch(forward_batch):
+            return result
+        if not (_is_plain_extend(forward_batch) and _triton_supported(self)):
+            raise SparseExtendUnsupported("triton: this backend configuration cannot mask")
+        info = query_positions(forward_batch)
+        if info is None:
+            raise SparseExtendUnsupported("triton: sparse extend without query positions")
+        md = build_sparse_extend_metadata(
+            self.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.extend_seq_lens,
+            info[0],
+        )
+        meta = self.forward_metadata
+        self.forward_metadata = dataclasses.replace(
+            meta,
+            qo_indptr=md.qo_indptr.to(meta.qo_indptr.dtype),
+            kv_indptr=md.kv_indptr.to(meta.kv_indptr.dtype),
+            kv_indices=md.kv_indices,
+            custom_mask=md.custom_mask,
+            mask_indptr=md.mask_indptr,
+            max_extend_len=md.max_extend_len,
+        )
+        self._semblend_metadata = self.forward_metadata
+        return result
+
+    def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
+        if is_sparse_batch(forward_batch):
+            raise SparseExtendUnsupported("triton: sparse extend under a CUDA graph")
+        return init_out_graph(self, forward_batch, *args, **kw)
+
+    def forward_extend_kernel_hook(self: Any, layer: Any, *args: Any, **kw: Any) -> Any:
+        meta = getattr(self, "_semblend_metadata", None)
+        if meta is not None and meta is self.forward_metadata:
+            # args[10] is is_causal: a bidirectional layer has no position mask.
+            if not args[10]:
+                raise SparseExtendUnsupported("triton: sparse extend on a non-causal layer")
+            kw["skip_prefix_custom_mask"] = SKIP_PREFIX_CUSTOM_MASK
+        return run_kernel(self, layer, *args, **kw)
+
+    return {
+        (triton_cls, "init_forward_metadata"): init_forward_metadata_hook,
+        (triton_cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
+        (triton_cls, "_forward_extend_kernel"): forward_extend_kernel_hook,
+    }
+
+
+# ------------------------------------------------------------------------ install / remove
+def _install(name: str) -> bool:
+    if name in _originals:
+        return True
+    if name == "torch_native":
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        wrappers = _torch_native_wrappers(TorchNativeAttnBackend)
+    else:
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+        wrappers = _triton_wrappers(TritonAttnBackend)
+    _originals[name] = install_wrappers(wrappers)
+    return True
+
+
+def install_attention_hooks(triton: bool = True) -> None:
+    """Install the torch_native hooks (and the triton ones when ``triton``); idempotent.
+
+    Batches without a sparse request keep SGLang's path unless
+    :func:`install_cpu_query_only_extend` turned on the query-only extend for every batch.
+    """
+    with _lock:
+        _install("torch_native")
+        if triton:
+            _install("triton")
+
+
+def remove_attention_hooks() -> None:
+    """Restore every method this module replaced and turn ``every_extend`` off; idempotent."""
+    global _every_extend
+    with _lock:
+        for name in list(_originals):
+            restore(_originals.pop(name))
+        _every_extend = False
+
+
+def set_query_only_every_extend(on: bool) -> None:
+    """torch_native: run the query-only extend for every extend batch (True) or only for batches
+    holding a sparse request (False). Takes effect for the next batch; hooks must be installed."""
+    global _every_extend
+    _every_extend = bool(on)
+
+
+def query_only_every_extend() -> bool:
+    """Whether the torch_native hook runs every extend batch query-only."""
+    return _every_extend
+
+
+def hooks_installed(name: str) -> bool:
+    """True while the hooks for backend ``name`` ("torch_native" or "triton") are installed."""
+    return name in _originals
+
+
+def sparse_extend_supported(backend: Any) -> bool:
+    """True iff ``backend`` (an attention backend instance) runs a sparse extend correctly.
+
+    That is: a ``TorchNativeAttnBackend`` without a sliding-window KV pool, or a
+    ``TritonAttnBackend`` with page size 1 and no DCP, deterministic mode, dLLM, MLA or sliding
+    window, in each case with this module's hooks installed. Any other backend (hybrid ones
+    included) is False: callers decline such requests as ``unsupported_cache``. Never raises.
+    """
+    try:
+        name = type(backend).__name__
+        if name == "TorchNativeAttnBackend" and hooks_installed("torch_native"):
+            return not getattr(backend, "use_sliding_window_kv_pool", False)
+        if name == "TritonAttnBackend" and hooks_installed("triton"):
+            return _triton_supported(backend)
+    except Exception:
+        return False
+    return False
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def install_cpu_query_only_extend(environ: Mapping[str, str] | None = None) -> bool:
+    """Plugin hook: on a CPU runtime, make torch_native's extend query-only for every batch.
+
+    Applies when ``SGLANG_USE_CPU_ENGINE`` is on and ``SEMBLEND_CPU_QUERY_ONLY_EXTEND`` is not
+    0/false/no/off (default on), whether or not ``SEMBLEND_ENABLED`` is set. It only changes
+    ``TorchNativeAttnBackend``, so other backends are unaffected. Returns True when applied;
+    never raises (a failure is logged and leaves SGLang unchanged).
+    """
+    env = os.environ if environ is None else environ
+    if not _flag(env.get("SGLANG_USE_CPU_ENGINE"), False) or not _flag(
+        env.get(CPU_QUERY_ONLY_ENV), True
+    ):
+        return False
+    try:
+        with _lock:
+            _install("torch_native")
+        set_query_only_every_extend(True)
+        return True
+    except Exception as exc:
+        logger.error(
+            "semblend: CPU query-only extend not installed (%s: %s)", type(exc).__name__, exc
+        )
+        return False
