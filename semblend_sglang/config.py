@@ -141,8 +141,16 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "strict_prefix_boundary",
         bool,
-        True,
-        "Plan one contiguous reused region (one span) instead of up to max_spans spans.",
+        False,
+        "Plan one span from one donor (SemBlend-compatible) instead of up to max_spans spans.",
+    ),
+    FieldSpec(
+        "max_plan_donors",
+        int,
+        8,
+        "Donors whose spans one plan may combine (1: one donor per plan).",
+        minimum=1,
+        maximum=64,
     ),
     FieldSpec(
         "exact_materialization_only",
@@ -206,7 +214,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "max_candidates",
         int,
-        3,
+        8,
         "Donor candidates aligned per lookup, best first.",
         minimum=1,
         maximum=64,
@@ -214,14 +222,14 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "min_candidate_tokens",
         int,
-        64,
+        32,
         "Minimum shared-chunk tokens for a donor to be aligned at all.",
         minimum=1,
     ),
     FieldSpec(
         "chunk_avg_tokens",
         int,
-        64,
+        16,
         "Average content-defined chunk length (power of two).",
         minimum=8,
         maximum=4096,
@@ -353,7 +361,8 @@ class Config:
     embedder: str = "minilm"
     fuzzy_chunks: bool = False
     fuzzy_threshold: float = 0.85
-    strict_prefix_boundary: bool = True
+    strict_prefix_boundary: bool = False
+    max_plan_donors: int = 8
     exact_materialization_only: bool = True
     min_prompt_tokens: int = 256
     exact_sufficient_ratio: float = 0.90
@@ -363,9 +372,9 @@ class Config:
     max_spans: int = 8
     min_span_tokens: int = 32
     max_donors: int = 20000
-    max_candidates: int = 3
-    min_candidate_tokens: int = 64
-    chunk_avg_tokens: int = 64
+    max_candidates: int = 8
+    min_candidate_tokens: int = 32
+    chunk_avg_tokens: int = 16
     embed_discovery: bool = False
     unknown_keys: tuple[str, ...] = field(default=(), compare=False)
     """SEMBLEND_* env vars and JSON keys that name no field (reported, not applied)."""

@@ -6,6 +6,7 @@ prompt length (``min_prompt_tokens``), exact coverage already sufficient
 (recomputed at each span start), round the target start up and the end down to ``page_size``, and
 leave at least the last prompt token to compute; keep at most ``max_spans`` spans (one when
 ``strict_prefix_boundary``), longest first; then ``min_reuse_tokens`` and ``min_reuse_ratio``.
+Spans may come from several donors (:func:`cover`): each planned span names its donor.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Reason:
     DONOR_ON_HOST = "donor_on_host"
     ABORTED = "aborted"
     NOT_AT_BOUNDARY = "not_at_boundary"
+    INPUT_LOGPROBS = "input_logprobs"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -69,19 +71,23 @@ class Reason:
         DONOR_ON_HOST,
         ABORTED,
         NOT_AT_BOUNDARY,
+        INPUT_LOGPROBS,
         OTHER,
     )
 
 
 @dataclass(frozen=True, slots=True)
 class ReusePlan:
-    """What the engine materializes: for each span, donor KV at ``donor_start + x`` becomes the
-    request's KV at ``target_start + x`` (K rotated by ``span.delta``).
+    """What the engine materializes: for span ``i``, the KV of donor ``donor_of(i)`` at
+    ``donor_start + x`` becomes the request's KV at ``target_start + x`` (K rotated by
+    ``span.delta``).
 
     Spans are already trimmed (sink tokens removed, page-aligned target starts and ends, last
-    prompt token left to compute), sorted by ``target_start``, and overlap neither in the target
-    nor in the donor. ``substitutions`` (substitute mode only) lists near-identical chunk pairs
-    whose target tokens the engine may replace by the donor's. ``similarity`` is the gate value
+    prompt token left to compute), sorted by ``target_start``, and do not overlap in the target
+    (nor in a donor, for spans of the same donor). ``donor_handle`` is the donor of the most
+    reused tokens; ``span_donors`` (empty: every span is ``donor_handle``'s) names each span's.
+    ``substitutions`` (substitute mode only) lists near-identical chunk pairs whose target
+    tokens the engine may replace by the donor's. ``similarity`` is the gate value
     (substitute mode) or None.
     """
 
@@ -96,6 +102,16 @@ class ReusePlan:
     substitute: bool = False
     substitutions: tuple[FuzzyMatch, ...] = ()
     similarity: float | None = None
+    span_donors: tuple[Hashable, ...] = ()
+
+    def donor_of(self, i: int) -> Hashable:
+        """The donor whose KV span ``i`` reuses."""
+        return self.span_donors[i] if self.span_donors else self.donor_handle
+
+    @property
+    def donors(self) -> tuple[Hashable, ...]:
+        """Every donor of the plan, once each, in order of first use in the target."""
+        return tuple(dict.fromkeys(self.donor_of(i) for i in range(len(self.spans))))
 
     @property
     def first_reused(self) -> int:
@@ -162,17 +178,64 @@ def trim_spans(
     """Apply the per-span gates: start >= exact_len, drop ``sink_tokens`` at each span start,
     page-align the target start (up) and end (down), end <= n_tokens - 1. Empty spans are dropped.
     The donor side moves with the target side (same delta)."""
-    out: list[Span] = []
+    return tuple(
+        span
+        for span, _ in _trim_with_donors(
+            spans, (None,) * len(spans), n_tokens, exact_len, page_size, sink_tokens
+        )
+    )
+
+
+def _trim_with_donors(
+    spans: tuple[Span, ...],
+    donors: tuple[Hashable, ...],
+    n_tokens: int,
+    exact_len: int,
+    page_size: int,
+    sink_tokens: int,
+) -> list[tuple[Span, Hashable]]:
+    out: list[tuple[Span, Hashable]] = []
     last_end = (n_tokens - 1) // page_size * page_size
-    for span in spans:
+    for span, donor in zip(spans, donors, strict=True):
         start = max(span.target_start, exact_len) + sink_tokens
         start = _ceil(start, page_size)
         end = min(span.target_end, last_end) // page_size * page_size
         if end - start <= 0:
             continue
         shift = start - span.target_start
-        out.append(Span(start, span.donor_start + shift, end - start))
-    return tuple(out)
+        out.append((Span(start, span.donor_start + shift, end - start), donor))
+    return out
+
+
+def cover(
+    found: list[tuple[Hashable, tuple[Span, ...]]], *, min_length: int
+) -> tuple[tuple[Span, ...], tuple[Hashable, ...]]:
+    """Cover the target with spans of several donors: ``found`` lists each donor's aligned spans
+    (donors best first). Longest first (ties: earlier donor, then smaller target start), a span
+    keeps only its pieces not yet covered in the target that are at least ``min_length`` long.
+    Returns the chosen spans sorted by target start and their donors. Pure."""
+    ranked = sorted(
+        ((span, rank, donor) for rank, (donor, spans) in enumerate(found) for span in spans),
+        key=lambda item: (-item[0].length, item[1], item[0].target_start),
+    )
+    covered: list[tuple[int, int]] = []  # disjoint target intervals, sorted
+    chosen: list[tuple[Span, Hashable]] = []
+    for span, _, donor in ranked:
+        pieces: list[Span] = []
+        at = span.target_start
+        for lo, hi in [*covered, (span.target_end, span.target_end)]:
+            if hi <= at:
+                continue
+            end = min(lo, span.target_end)
+            if end - at >= min_length:
+                pieces.append(Span(at, span.donor_start + at - span.target_start, end - at))
+            at = max(at, hi)
+            if at >= span.target_end:
+                break
+        chosen.extend((piece, donor) for piece in pieces)
+        covered = sorted([*covered, *((p.target_start, p.target_end) for p in pieces)])
+    chosen.sort(key=lambda item: item[0].target_start)
+    return tuple(s for s, _ in chosen), tuple(d for _, d in chosen)
 
 
 def build_plan(
@@ -186,8 +249,11 @@ def build_plan(
     donor_namespace: Namespace,
     substitutions: tuple[FuzzyMatch, ...] = (),
     similarity: float | None = None,
+    span_donors: tuple[Hashable, ...] = (),
 ) -> Decision:
-    """Gate aligned ``spans`` (target positions, maximal identical runs) into a plan or a decline.
+    """Gate aligned ``spans`` (target positions, maximal identical runs, not overlapping in the
+    target) into a plan or a decline. ``span_donors`` names each span's donor (empty: all are
+    ``donor_handle``'s); the plan's ``donor_handle`` becomes the donor of the most kept tokens.
 
     Does not apply :func:`prefilter` (the caller does, first). Never returns an exact decision.
     """
@@ -195,27 +261,27 @@ def build_plan(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if not spans:
         return Decision.decline(Reason.NO_ALIGNMENT)
-    trimmed = trim_spans(
-        spans,
-        n_tokens=n_tokens,
-        exact_len=exact_len,
-        page_size=page_size,
-        sink_tokens=config.sink_tokens,
-    )
+    donors = span_donors or (donor_handle,) * len(spans)
+    trimmed = _trim_with_donors(spans, donors, n_tokens, exact_len, page_size, config.sink_tokens)
     if not trimmed:
         return Decision.decline(Reason.SPANS_TRIMMED_AWAY)
     limit = 1 if config.strict_prefix_boundary else config.max_spans
-    kept = sorted(trimmed, key=lambda s: (-s.length, s.target_start))[:limit]
-    kept.sort()
-    reused = sum(s.length for s in kept)
+    kept = sorted(trimmed, key=lambda item: (-item[0].length, item[0].target_start))[:limit]
+    kept.sort(key=lambda item: item[0])
+    reused = sum(s.length for s, _ in kept)
+    per_donor: dict[Hashable, int] = {}
+    for s, d in kept:
+        per_donor[d] = per_donor.get(d, 0) + s.length
+    main = max(per_donor, key=lambda d: per_donor[d])  # first such donor on ties (dict order)
+    kept_donors = tuple(d for _, d in kept)
     if reused < config.min_reuse_tokens:
         return Decision.decline(Reason.REUSE_TOO_SMALL)
     if reused < config.min_reuse_ratio * (n_tokens - exact_len):
         return Decision.decline(Reason.REUSE_RATIO_LOW)
     plan = ReusePlan(
-        donor_handle=donor_handle,
+        donor_handle=main,
         donor_namespace=donor_namespace,
-        spans=tuple(kept),
+        spans=tuple(s for s, _ in kept),
         reused_tokens=reused,
         prompt_tokens=n_tokens,
         exact_len=exact_len,
@@ -224,5 +290,6 @@ def build_plan(
         substitute=config.mode == "substitute",
         substitutions=substitutions,
         similarity=similarity,
+        span_donors=() if len(per_donor) == 1 else kept_donors,
     )
     return Decision("plan", Reason.PLANNED, plan)

@@ -27,7 +27,7 @@ from .config import Config
 from .embed import WindowedEmbedder, cosine, load_embedder
 from .index import Candidate, TokenIndex
 from .namespace import Namespace
-from .plan import Decision, Reason, build_plan, prefilter
+from .plan import Decision, Reason, build_plan, cover, prefilter
 from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -194,10 +194,13 @@ class SemanticProvider:
             self.telemetry.record_outcome("declined", reason=Reason.UNREPORTED)
 
     # ------------------------------------------------------------------ outcomes
-    def record_materialized(self, request_id: Hashable, reused_tokens: int) -> bool:
-        """The engine materialized ``reused_tokens`` donor tokens for the request's plan.
-        Returns False (and records nothing) when the request has no pending plan."""
-        return self._settle(request_id, "materialized", None, reused_tokens)
+    def record_materialized(
+        self, request_id: Hashable, reused_tokens: int, *, spans: int = 1, donors: int = 1
+    ) -> bool:
+        """The engine materialized ``reused_tokens`` donor tokens of the request's plan, in
+        ``spans`` spans read from ``donors`` distinct donors. Returns False (and records
+        nothing) when the request has no pending plan."""
+        return self._settle(request_id, "materialized", None, reused_tokens, spans, donors)
 
     def record_declined(self, request_id: Hashable, reason: str = Reason.ENGINE_DECLINED) -> bool:
         """The engine did not use the request's plan (``reason``, e.g. capacity or stale donor).
@@ -222,12 +225,22 @@ class SemanticProvider:
         return snap
 
     # ------------------------------------------------------------------ internals
-    def _settle(self, request_id: Hashable, outcome: str, reason: str | None, reused: int) -> bool:
+    def _settle(
+        self,
+        request_id: Hashable,
+        outcome: str,
+        reason: str | None,
+        reused: int,
+        spans: int = 0,
+        donors: int = 0,
+    ) -> bool:
         with self._lock:
             pending = self._pending.pop(request_id, None)
         if pending is None:
             return False
-        self.telemetry.record_outcome(outcome, reason=reason, reused=reused)
+        self.telemetry.record_outcome(
+            outcome, reason=reason, reused=reused, spans=spans, donors=donors
+        )
         return True
 
     def _record_final(self, decision: Decision) -> None:
@@ -262,8 +275,10 @@ class SemanticProvider:
         )
         if not candidates:
             return Decision.decline(Reason.NO_DONOR)
-        first_decline: Decision | None = None
         anchors = anchors_of(region, config.min_span_tokens, prefix=region_prefix)
+        if self._multi_donor():
+            return self._multi_donor_plan(tokens, region, anchors, exact_len, page_size, candidates)
+        first_decline: Decision | None = None
         for cand in candidates:
             donor = self._donor_tokens(cand)
             if donor is None:
@@ -280,6 +295,73 @@ class SemanticProvider:
                 first_decline = decision
         assert first_decline is not None
         return first_decline
+
+    def _multi_donor(self) -> bool:
+        config = self.config
+        return (
+            config.max_plan_donors > 1
+            and not config.strict_prefix_boundary
+            and config.mode != "substitute"
+            and not (config.discovery_only and config.embed_discovery)
+        )
+
+    def _multi_donor_plan(
+        self,
+        tokens: np.ndarray,
+        region: np.ndarray,
+        anchors: Anchors,
+        exact_len: int,
+        page_size: int,
+        candidates: list[Candidate],
+    ) -> Decision:
+        """Align the region with each candidate (best first) until ``max_plan_donors`` donors
+        contributed or nothing long enough is left uncovered, then cover the target with the
+        longest spans of any of them (:func:`.plan.cover`)."""
+        config = self.config
+        found: list[tuple[Hashable, tuple[Span, ...]]] = []
+        cands: dict[Hashable, Candidate] = {}
+        covered = np.zeros(region.size, dtype=bool)
+        evicted = False
+        for cand in candidates:
+            donor = self._donor_tokens(cand)
+            if donor is None:
+                evicted = True
+                continue
+            spans = align(region, donor, min_length=config.min_span_tokens, target_anchors=anchors)
+            new = [s for s in spans if not covered[s.target_start : s.target_end].all()]
+            if not new:
+                continue
+            found.append((cand.handle, tuple(new)))
+            cands[cand.handle] = cand
+            for s in new:
+                covered[s.target_start : s.target_end] = True
+            if len(found) >= config.max_plan_donors:
+                break
+            if int(region.size - covered.sum()) < config.min_span_tokens + config.sink_tokens:
+                break
+        if not found:
+            return Decision.decline(Reason.DONOR_EVICTED if evicted else Reason.NO_ALIGNMENT)
+        spans, donors = cover(found, min_length=config.min_span_tokens)
+        if exact_len:
+            spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in spans)
+        first = cands[found[0][0]]
+        decision = build_plan(
+            config,
+            spans=spans,
+            n_tokens=int(tokens.size),
+            exact_len=exact_len,
+            page_size=page_size,
+            donor_handle=first.handle,
+            donor_namespace=first.namespace,
+            span_donors=donors,
+        )
+        if decision.kind != "plan" or decision.plan is None:
+            return decision
+        if config.discovery_only:
+            return Decision.decline(Reason.DISCOVERY_ONLY, evidence=decision.plan)
+        for handle in decision.plan.donors:
+            self.index.touch(handle)
+        return decision
 
     def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
         if cand.tokens is not None:

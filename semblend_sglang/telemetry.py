@@ -21,6 +21,8 @@ SERIES = {
     "requests": "semblend_requests_total",
     "declined": "semblend_declined_total",
     "reused_tokens": "semblend_reused_tokens_total",
+    "reused_spans": "semblend_reused_spans_total",
+    "reused_donors": "semblend_reused_donors_total",
     "lookup_seconds": "semblend_lookup_seconds",
     "hook_seconds": "semblend_hook_seconds",
     "donors": "semblend_donors",
@@ -63,6 +65,16 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
             "reused_tokens": Counter(
                 "semblend_reused_tokens",
                 "Prompt tokens whose KV was materialized from a donor.",
+                registry=reg,
+            ),
+            "reused_spans": Counter(
+                "semblend_reused_spans",
+                "Spans materialized (a materialized request counts each of its spans).",
+                registry=reg,
+            ),
+            "reused_donors": Counter(
+                "semblend_reused_donors",
+                "Donors used (a materialized request counts each distinct donor it read).",
                 registry=reg,
             ),
             "lookup_seconds": Histogram(
@@ -114,15 +126,27 @@ class Telemetry:
         self._declined: dict[str, int] = {}
         self._errors: dict[str, int] = {}
         self._reused_tokens = 0
+        self._reused_spans = 0
+        self._reused_donors = 0
+        self._multi_donor_requests = 0
         self._lookups = 0
         self._lookup_seconds = 0.0
         self._hook_calls = 0
         self._hook_seconds = 0.0
         self._donors = 0
 
-    def record_outcome(self, outcome: str, *, reason: str | None = None, reused: int = 0) -> None:
+    def record_outcome(
+        self,
+        outcome: str,
+        *,
+        reason: str | None = None,
+        reused: int = 0,
+        spans: int = 0,
+        donors: int = 0,
+    ) -> None:
         """Count one request's outcome. ``reason`` (declined only) outside :attr:`Reason.ALL`
-        is counted as ``other``; ``reused`` (materialized only) adds to the reused tokens."""
+        is counted as ``other``; ``reused``, ``spans`` and ``donors`` (materialized only) add
+        the request's reused tokens, spans and distinct donors."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         label = None
@@ -134,12 +158,17 @@ class Telemetry:
                 self._declined[label] = self._declined.get(label, 0) + 1
             if outcome == "materialized":
                 self._reused_tokens += int(reused)
+                self._reused_spans += int(spans)
+                self._reused_donors += int(donors)
+                self._multi_donor_requests += int(donors > 1)
         if self._metrics is not None:
             self._metrics["requests"].labels(outcome=outcome).inc()
             if label is not None:
                 self._metrics["declined"].labels(reason=label).inc()
             if outcome == "materialized" and reused:
                 self._metrics["reused_tokens"].inc(int(reused))
+                self._metrics["reused_spans"].inc(int(spans))
+                self._metrics["reused_donors"].inc(int(donors))
 
     def observe_lookup(self, seconds: float) -> None:
         """Record one (uncached) lookup's latency."""
@@ -179,12 +208,16 @@ class Telemetry:
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict copy of this object's counts: outcomes, declined reasons, reused tokens,
-        lookups, mean lookup milliseconds, hook calls and seconds, donors, errors."""
+        spans and donors (and requests that read more than one donor), lookups, mean lookup
+        milliseconds, hook calls and seconds, donors, errors."""
         with self._lock:
             return {
                 "outcomes": dict(self._outcomes),
                 "declined": dict(sorted(self._declined.items())),
                 "reused_tokens": self._reused_tokens,
+                "reused_spans": self._reused_spans,
+                "reused_donors": self._reused_donors,
+                "multi_donor_requests": self._multi_donor_requests,
                 "requests": sum(self._outcomes.values()),
                 "lookups": self._lookups,
                 "lookup_ms_mean": (1000.0 * self._lookup_seconds / self._lookups)

@@ -490,8 +490,32 @@ class SglangCacheHarness:
         return 1000 + h % (self.vocab_size - 2000)
 
     def _forward_extend(self, batch: Any) -> None:
+        """Write KV for the positions the batch computes: [prefix_len, extend_end), or, for a
+        sparse request (semblend's one-pass extend), its kept positions in ascending order, each
+        reading the KV stored at the position before it. Checks that ``out_cache_loc`` holds
+        exactly the row's slots at those positions, in batch order."""
+        from semblend_sglang.patches.sglang.one_pass import SPARSE_ATTR
+
+        sparse = getattr(batch, SPARSE_ATTR, None) or {}
+        expected: list[torch.Tensor] = []
         for req in batch.reqs:
-            self._write_kv(req, req.prefix_len, req.extend_end)
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            positions = sparse.get(req.rid)
+            if positions is None:
+                positions = torch.arange(req.prefix_len, req.extend_end)
+            expected.append(row[positions.to(torch.int64)].to(torch.int64))
+            runs = torch.tensor_split(
+                positions, (torch.diff(positions) != 1).nonzero().flatten() + 1
+            )
+            for run in runs:
+                if run.numel():
+                    self._write_kv(req, int(run[0]), int(run[-1]) + 1)
+        got = batch.out_cache_loc.to(torch.int64)
+        want = torch.cat(expected) if expected else got
+        if not torch.equal(got, want):
+            self.pending_violations.append(
+                InvariantViolation("out_cache_loc is not the row's slots at the computed positions")
+            )
 
     def _process_prefill_result(self, batch: Any, report: StepReport) -> None:
         from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache

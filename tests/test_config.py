@@ -28,7 +28,8 @@ def test_defaults_match_the_documented_table() -> None:
     assert config.embedder == "minilm"
     assert config.fuzzy_chunks is False
     assert config.discovery_only is False
-    assert config.strict_prefix_boundary is True
+    assert config.strict_prefix_boundary is False
+    assert config.max_plan_donors == 8
     assert config.exact_materialization_only is True
     for spec in FIELDS:
         if spec.name != "discovery_only":

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from semblend_sglang.align import Span, align
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.plan import Reason, build_plan, prefilter, trim_spans
+from semblend_sglang.plan import Reason, build_plan, cover, prefilter, trim_spans
 
 NS = Namespace("m")
 
@@ -57,7 +57,11 @@ def test_first_span_starts_at_or_after_exact_len() -> None:
 
 def test_max_spans_and_strict_prefix_boundary() -> None:
     spans = tuple(Span(100 + 300 * i, 5000 + 200 * i, 150 + i) for i in range(6))
-    strict = plan(Config(min_reuse_tokens=1, min_reuse_ratio=0.0, sink_tokens=0), spans, 2000)
+    strict = plan(
+        Config(strict_prefix_boundary=True, min_reuse_tokens=1, min_reuse_ratio=0.0, sink_tokens=0),
+        spans,
+        2000,
+    )
     assert strict.kind == "plan" and strict.plan is not None
     assert strict.plan.spans == (Span(1600, 6000, 155),)  # the longest one
     loose = plan(
@@ -138,3 +142,39 @@ def test_plan_invariants(case) -> None:  # type: ignore[no-untyped-def]
         assert s.target_start >= prev_t
         prev_t = s.target_end
         assert np.array_equal(t[s.target_start : s.target_end], d[s.donor_start : s.donor_end])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 900), st.integers(0, 900), st.integers(1, 200)),
+            max_size=6,
+        ),
+        max_size=5,
+    ),
+    st.integers(1, 64),
+)
+def test_cover_takes_disjoint_pieces_of_the_given_spans(
+    raw: list[list[tuple[int, int, int]]], min_length: int
+) -> None:
+    found = [(f"d{k}", tuple(Span(t, d, n) for t, d, n in spans)) for k, spans in enumerate(raw)]
+    spans, donors = cover(found, min_length=min_length)
+    assert len(spans) == len(donors)
+    for a, b in zip(spans, spans[1:], strict=False):
+        assert a.target_end <= b.target_start  # sorted, disjoint in the target
+    given_by_donor = dict(found)
+    for piece, donor in zip(spans, donors, strict=True):
+        assert piece.length >= min_length
+        # each piece lies inside one of its donor's spans, on that span's diagonal
+        assert any(
+            s.target_start <= piece.target_start
+            and piece.target_end <= s.target_end
+            and piece.delta == s.delta
+            for s in given_by_donor[donor]
+        )
+    # the longest given span (ties: earlier donor) is always taken whole
+    every = [(s, k) for k, (_, ss) in enumerate(found) for s in ss if s.length >= min_length]
+    if every:
+        longest = min(every, key=lambda item: (-item[0].length, item[1], item[0].target_start))
+        assert longest[0] in spans

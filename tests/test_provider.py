@@ -67,11 +67,11 @@ def test_reordered_passages_are_all_reused(essay_ids: np.ndarray) -> None:
     assert decision.plan is not None
     assert len(decision.plan.spans) == 6
     assert decision.plan.reused_tokens >= 6 * 500 - 1  # the last token is left to compute
-    # strict_prefix_boundary (the default) plans one region: 500 of 3,040 tokens is too little
-    strict = new_provider(Config(sink_tokens=0))
+    # strict_prefix_boundary plans one region: 500 of 3,040 tokens is too little
+    strict = new_provider(Config(strict_prefix_boundary=True, sink_tokens=0))
     strict.register(NS, "rag", donor)
     assert strict.lookup(NS, target, 0, "q").reason == "reuse_ratio_low"
-    lenient = new_provider(Config(sink_tokens=0, min_reuse_ratio=0.1))
+    lenient = new_provider(Config(strict_prefix_boundary=True, sink_tokens=0, min_reuse_ratio=0.1))
     lenient.register(NS, "rag", donor)
     one = lenient.lookup(NS, target, 0, "q")
     assert one.plan is not None and len(one.plan.spans) == 1
@@ -280,3 +280,52 @@ def test_eight_threads_lose_no_donor_and_raise_nothing(essay_ids: np.ndarray) ->
     snap = provider.snapshot()
     assert snap["errors"] == {}
     assert snap["outcomes"]["cold_fallback"] == 0
+
+
+@pytest.mark.parametrize("passage_tokens", [100, 120, 250])
+def test_passages_seen_in_different_donors_are_reused_from_each(
+    essay_ids: np.ndarray, passage_tokens: int
+) -> None:
+    """RAG over a shared corpus: each passage of the target was seen in another earlier request
+    (with other passages and another instruction around it); the plan takes every passage from
+    the donor that has it."""
+    corpus = [essay_ids[s : s + passage_tokens] for s in range(1000, 1000 + 40 * 997, 997)]
+    rng = np.random.default_rng(passage_tokens)
+    label = essay_ids[90000:90008]
+    target_ids = [3, 17, 25, 9]
+    donors = {}
+    for k, pid in enumerate(target_ids):
+        others = [int(x) for x in rng.choice([i for i in range(40) if i not in target_ids], 3)]
+        order = [pid, *others]
+        rng.shuffle(order)
+        parts = [essay_ids[80000 + 50 * k : 80040 + 50 * k]]
+        for j in order:
+            parts += [label, corpus[j]]
+        donors[f"d{k}"] = np.concatenate(parts)
+    provider = new_provider(Config(min_prompt_tokens=64, min_reuse_tokens=32))
+    for handle, tokens in donors.items():
+        provider.register(NS, handle, tokens)
+    parts = [essay_ids[70000:70030]]
+    for pid in target_ids[::-1]:
+        parts += [label, corpus[pid]]
+    target = np.concatenate(parts + [essay_ids[95000:95020]])
+    decision = provider.lookup(NS, target, 0, "q")
+    assert decision.plan is not None, decision
+    plan = decision.plan
+    assert set(plan.donors) == set(donors)  # one donor per passage
+    reused = plan.reused_tokens
+    assert reused >= 4 * (passage_tokens - Config().sink_tokens) - 8, reused
+    for i, span in enumerate(plan.spans):  # every span is the donor's own tokens
+        donor = donors[plan.donor_of(i)]
+        assert np.array_equal(
+            target[span.target_start : span.target_end],
+            donor[span.donor_start : span.donor_end],
+        )
+    ends = [s.target_end for s in plan.spans]
+    starts = [s.target_start for s in plan.spans]
+    assert all(e <= s for e, s in zip(ends, starts[1:], strict=False))  # no overlap
+    one = new_provider(Config(min_prompt_tokens=64, min_reuse_tokens=32, max_plan_donors=1))
+    for handle, tokens in donors.items():
+        one.register(NS, handle, tokens)
+    single = one.lookup(NS, target, 0, "q")
+    assert single.plan is None or len(single.plan.donors) == 1

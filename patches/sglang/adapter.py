@@ -61,15 +61,17 @@ Originals = dict[tuple[type, str], Any]
 def install_wrappers(wrappers: Wrappers) -> Originals:
     """Set each ``(owner, name)`` attribute to its wrapper; return what :func:`restore` needs.
 
-    Each wrapper gets ``__wrapped__`` (the method it replaces, inherited ones included) and that
-    method's docstring. Adapters call this from ``apply``; it does not check idempotence.
+    Each wrapper (a function, or a ``classmethod`` of one) gets ``__wrapped__`` (the method it
+    replaces, inherited ones included) and that method's docstring. Adapters call this from
+    ``apply``; it does not check idempotence.
     """
     originals: Originals = {}
     for (owner, name), wrapper in wrappers.items():
         own = owner.__dict__.get(name, _INHERITED)
         replaced = getattr(owner, name)
-        wrapper.__wrapped__ = replaced  # type: ignore[attr-defined]
-        wrapper.__doc__ = getattr(replaced, "__doc__", None)
+        function = wrapper.__func__ if isinstance(wrapper, classmethod) else wrapper
+        function.__wrapped__ = replaced  # type: ignore[attr-defined]
+        function.__doc__ = getattr(replaced, "__doc__", None)
         originals[(owner, name)] = own
         setattr(owner, name, wrapper)
     return originals

@@ -29,7 +29,7 @@ class HookedAdapter(SglangAdapter):
 
     Subclasses build their wrappers in ``apply`` and hand them to :meth:`_install`; ``remove``
     restores every original. Their hooks call :meth:`_plan` on a request's first match,
-    :meth:`_register_donor` once its prompt is published, and :func:`copy_span_kv` to materialize.
+    :meth:`_register_donor` once its prompt is published.
     """
 
     def __init__(self, config: Config) -> None:
@@ -100,7 +100,7 @@ class HookedAdapter(SglangAdapter):
         if not self._cache_supported(cache):
             runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
             return None
-        if state.boundary <= exact_len:
+        if state.spans[-1].target_end <= exact_len:
             runtime.decline(rid, Reason.SPANS_TRIMMED_AWAY)
             return None
         return state

@@ -38,6 +38,7 @@ makes it a cold fallback; the request continues normally.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from array import array
@@ -50,7 +51,7 @@ from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
 from .hooked_adapter import HookedAdapter, copy_span_kv
-from .runtime import RequestReuse
+from .runtime import RequestReuse, ReuseState
 from .scheduler_hooks import (
     wrap_add_chunked_req,
     wrap_add_request_to_queue,
@@ -119,7 +120,9 @@ class LegacyRadixCacheAdapter(HookedAdapter):
     name = "legacy-radix-cache"
 
     def __init__(self, config: Config) -> None:
-        super().__init__(config)
+        # One span from one donor: 0.5.15's batch preparation is served by the two-phase
+        # chunk cut (docs/sglang-legacy.md says why it has no one-pass form here).
+        super().__init__(dataclasses.replace(config, strict_prefix_boundary=True))
         self._served: tuple[type, ...] = ()
 
     @classmethod
@@ -164,7 +167,11 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         def cache_unfinished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             rid = getattr(req, "rid", None)
             state = runtime.requests.get(rid)
-            if state is not None and state.phase == "materialized" and type(self) in served:
+            if (
+                state is not None
+                and state.state is ReuseState.MATERIALIZED
+                and type(self) in served
+            ):
                 adapter._keep_unpublished(self, req)
                 return
             orig_unfinished(self, req, *args, **kwargs)
@@ -179,7 +186,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 return
             rid = getattr(req, "rid", None)
             state = runtime.requests.get(rid)
-            materialized = state is not None and state.phase == "materialized"
+            materialized = state is not None and state.state is ReuseState.MATERIALIZED
             is_insert = kwargs.get("is_insert", args[0] if args else True)
             published = bool(is_insert) and not getattr(self, "disable_finished_insert", False)
             committed = int(kwargs.get("kv_len_to_handle", getattr(req, "kv_committed_len", 0)))
@@ -275,7 +282,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         self, adder: Any, req: Any, result: Any, has_chunked: bool, add_req_result: Any
     ) -> Any:
         state = self.runtime.requests.get(req.rid)
-        if state is None or state.phase != "planned":
+        if state is None or state.state is not ReuseState.PLANNED:
             return result
         if not adder.can_run_list or adder.can_run_list[-1] is not req:
             return result  # not admitted in this step; matched again in the next
@@ -286,20 +293,20 @@ class LegacyRadixCacheAdapter(HookedAdapter):
             return result
         if state.boundary >= end:
             if adder.new_chunked_req is req:
-                state.phase = "head"  # the cut happens in a later chunk
+                state.cut_at_head()  # the cut happens in a later chunk
             return result
         if has_chunked or (adder.new_chunked_req is not None and adder.new_chunked_req is not req):
             self.runtime.decline(req.rid, Reason.CHUNK_SLOT_BUSY)
             return result
         req.set_extend_range(start, state.boundary)
         adder.new_chunked_req = req
-        state.phase = "head"
+        state.cut_at_head()
         setattr(adder, _CUT_ATTR, True)
         return add_req_result.OTHER
 
     def _cut_continuation(self, adder: Any, req: Any, out: Any) -> Any:
         state = self.runtime.requests.get(req.rid)
-        if state is None or state.phase != "head":
+        if state is None or state.state is not ReuseState.HEAD:
             return out
         start = len(req.prefix_indices)
         if start < state.boundary < int(req.extend_range.end):
@@ -313,7 +320,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         runtime = self.runtime
         state = runtime.requests.get(req.rid)
         end = int(req.extend_range.end)
-        if state is not None and state.phase == "head" and end == state.boundary:
+        if state is not None and state.state is ReuseState.HEAD and end == state.boundary:
             if (
                 req.finished()
                 or len(req.prefix_indices) != state.boundary
@@ -323,7 +330,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 return
             self._materialize(cache, req, state)
             return
-        if state is not None and state.phase == "materialized":
+        if state is not None and state.state is ReuseState.MATERIALIZED:
             return
         self._register_donor(req, end)
 
@@ -373,7 +380,6 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         if spec is None:
             runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
             return
-        n = state.reused_tokens
         node = found.last_device_node
         cache.inc_lock_ref(node)
         try:
@@ -388,8 +394,8 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         req.prefix_indices = torch.cat([prefix, dst.to(device=prefix.device, dtype=prefix.dtype)])
         _set_kv_lens(req, state.end)
         req.set_extend_range(state.boundary, state.end)
-        state.phase = "materialized"
-        runtime.provider.record_materialized(rid, n)
+        state.loaded([(state.span, plan.donor_handle)], state.end)
+        runtime.finish_reuse(rid)
 
     def _donor_match(self, cache: Any, params: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""

@@ -6,6 +6,7 @@ calls, decide the same). It imports no sglang module; the adapter passes sglang 
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import logging
@@ -28,65 +29,142 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+class ReuseState(enum.Enum):
+    """Where a request's reuse plan stands. Transitions are :class:`RequestReuse` methods.
+
+    ``PLANNED`` (looked up, nothing copied) -> ``LOADING`` (spans inside the prefill chunks run
+    so far were copied; later chunks may copy more) -> ``MATERIALIZED`` (no further span is
+    copied). ``HEAD`` is the legacy adapter's two-phase step (a chunk ends at the span start;
+    the copy happens at its checkpoint). A plan that is declined or fails leaves the runtime.
+    """
+
+    PLANNED = "planned"
+    HEAD = "head"
+    LOADING = "loading"
+    MATERIALIZED = "materialized"
+
+
 @dataclass
 class RequestReuse:
-    """The reuse plan of one request and how far it got.
+    """The reuse plan of one request and how far it got; owned by :class:`SemblendRuntime`.
 
-    Spans are materialized in target order. For the current span ``index``: ``boundary`` (a')
-    is where the request's own computation stops and reused KV starts, ``end`` (b') where reuse
-    ends. ``phase``: ``planned`` (looked up), ``head`` (the scheduler will end a prefill chunk
-    at ``boundary``), ``materialized`` (no further span will be materialized). Once any span
-    is materialized nothing from ``publish_cap`` (the first span's a') on may be published.
+    ``spans`` are in target order, ``donors[i]`` is span ``i``'s donor. ``handled_to``: target
+    positions below it were offered for reuse already (copied or computed), so a later prefill
+    chunk never copies them again. Once any KV was copied (``reused_any``) nothing from
+    ``publish_cap`` (the first copied position) on may be published into the exact cache.
     """
 
     rid: str
     namespace: Namespace
     plan: ReusePlan
     spans: tuple[Span, ...]
-    index: int = 0
-    phase: str = "planned"
+    donors: tuple[Hashable, ...]
+    state: ReuseState = ReuseState.PLANNED
+    handled_to: int = 0
     reused_total: int = 0
     """Tokens materialized so far, over all spans."""
+    loaded_pieces: tuple[tuple[Span, Hashable], ...] = ()
+    """Every (span part, donor) copied so far, in copy order."""
+    first_loaded: int | None = None
 
     @property
+    def spans_loaded(self) -> int:
+        """Span parts copied so far (a span split by a prefill chunk counts once per part)."""
+        return len(self.loaded_pieces)
+
+    @property
+    def donors_loaded(self) -> frozenset[Hashable]:
+        """Donors whose KV was copied."""
+        return frozenset(d for _, d in self.loaded_pieces)
+
+    # ------------------------------------------------------------- reading
+    @property
     def span(self) -> Span:
-        """The span being (or last) materialized."""
-        return self.spans[self.index]
+        """The first span (the one-span adapters' only span)."""
+        return self.spans[0]
 
     @property
     def boundary(self) -> int:
-        """a' of the current span."""
+        """a' of the first span."""
         return self.span.target_start
 
     @property
     def end(self) -> int:
-        """b' of the current span."""
+        """b' of the first span."""
         return self.span.target_end
 
     @property
     def donor_start(self) -> int:
-        """Where the current span starts in the donor."""
+        """Where the first span starts in its donor."""
         return self.span.donor_start
 
     @property
     def reused_tokens(self) -> int:
-        """Tokens of the current span whose KV comes from the donor."""
+        """Tokens of the first span."""
         return self.span.length
 
     @property
     def delta(self) -> int:
-        """Position shift applied to the donor's keys for the current span."""
+        """Position shift applied to the first span's donor keys."""
         return self.span.delta
 
     @property
     def publish_cap(self) -> int:
-        """The first span's a': the request publishes nothing from here on once it reused KV."""
-        return self.spans[0].target_start
+        """The request publishes nothing from here on once it reused KV: the first copied
+        position (the first span's a' before anything was copied)."""
+        return self.boundary if self.first_loaded is None else self.first_loaded
 
     @property
     def reused_any(self) -> bool:
         """True once at least one span's KV was copied into the request's slots."""
         return self.reused_total > 0
+
+    @property
+    def open(self) -> bool:
+        """True while a later prefill chunk may still copy spans (PLANNED or LOADING)."""
+        return self.state in (ReuseState.PLANNED, ReuseState.LOADING)
+
+    def pieces_within(self, lo: int, hi: int) -> list[tuple[Span, Hashable]]:
+        """The parts of not yet handled spans inside target positions [lo, hi), with donors."""
+        lo = max(lo, self.handled_to)
+        out: list[tuple[Span, Hashable]] = []
+        for span, donor in zip(self.spans, self.donors, strict=True):
+            a = max(span.target_start, lo)
+            b = min(span.target_end, hi)
+            if b > a:
+                out.append((Span(a, span.donor_start + a - span.target_start, b - a), donor))
+        return out
+
+    # ------------------------------------------------------------- transitions
+    def cut_at_head(self) -> None:
+        """PLANNED -> HEAD: the legacy adapter ends a prefill chunk at the first span."""
+        self._expect(ReuseState.PLANNED, ReuseState.HEAD)
+        self.state = ReuseState.HEAD
+
+    def loaded(self, pieces: list[tuple[Span, Hashable]], handled_to: int) -> None:
+        """PLANNED/LOADING/HEAD -> LOADING: ``pieces`` were copied into the request's slots;
+        target positions below ``handled_to`` are done with."""
+        self._expect(ReuseState.PLANNED, ReuseState.LOADING, ReuseState.HEAD)
+        self.state = ReuseState.LOADING
+        self.handled_to = max(self.handled_to, handled_to)
+        for span, _ in pieces:
+            if self.first_loaded is None or span.target_start < self.first_loaded:
+                self.first_loaded = span.target_start
+            self.reused_total += span.length
+        self.loaded_pieces = self.loaded_pieces + tuple(pieces)
+
+    def skipped(self, handled_to: int) -> None:
+        """Target positions below ``handled_to`` were computed, nothing copied (state kept)."""
+        self._expect(ReuseState.PLANNED, ReuseState.LOADING)
+        self.handled_to = max(self.handled_to, handled_to)
+
+    def complete(self) -> None:
+        """-> MATERIALIZED: no further span is copied (terminal while the request lives)."""
+        self.state = ReuseState.MATERIALIZED
+
+    def _expect(self, *allowed: ReuseState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(f"reuse of {self.rid}: {self.state.value} is not one of {allowed}")
 
 
 class SemblendRuntime:
@@ -133,8 +211,14 @@ class SemblendRuntime:
     # ----------------------------------------------------------------- requests
     def start(self, rid: str, namespace: Namespace, plan: ReusePlan) -> RequestReuse:
         """Track ``plan`` for request ``rid``; its spans are materialized in target order."""
-        spans = tuple(sorted(plan.spans, key=lambda s: s.target_start))
-        state = RequestReuse(rid=rid, namespace=namespace, plan=plan, spans=spans)
+        order = sorted(range(len(plan.spans)), key=lambda i: plan.spans[i].target_start)
+        state = RequestReuse(
+            rid=rid,
+            namespace=namespace,
+            plan=plan,
+            spans=tuple(plan.spans[i] for i in order),
+            donors=tuple(plan.donor_of(i) for i in order),
+        )
         self.requests[rid] = state
         return state
 
@@ -156,8 +240,11 @@ class SemblendRuntime:
         state = self.requests.get(rid)
         if state is None or not state.reused_any:
             return False
-        state.phase = "materialized"
-        self.provider.record_materialized(rid, state.reused_total)
+        if state.state is not ReuseState.MATERIALIZED:
+            state.complete()
+            self.provider.record_materialized(
+                rid, state.reused_total, spans=state.spans_loaded, donors=len(state.donors_loaded)
+            )
         return True
 
     def guarded(

@@ -1,50 +1,58 @@
-"""Adapter for sglang >= 0.5.21: hooks on ``UnifiedRadixCache`` and ``PrefillAdder``.
+"""Adapter for sglang >= 0.5.21: hooks on ``UnifiedRadixCache``, ``ScheduleBatch`` and
+``ForwardBatch``.
 
-exact_spans, per request T with exact hit m and plan [a', b') <- donor [a0', b0'):
+exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- donor_i:
 
 1. ``UnifiedRadixCache.match_prefix``: the original runs and its result is returned unchanged
    (the exact cache stays authoritative); the provider is asked once per request id.
-2. ``PrefillAdder._select_prefill_admission`` / ``add_chunked_req``: the prefill chunk that would
-   cross a' is cut at a', so the request first computes its own head T[m:a').
-3. ``UnifiedRadixCache.checkpoint`` at up_to == a' (the scheduler stashing that chunk): T[0:a')
-   is published as usual; then the donor's path is re-matched and locked, the request gets new
-   slots of its own for [a', b'), the fused kernel copies the donor's K (rotated by a' - a0') and V
-   into them, and the request's prefix is extended to b'. The scheduler computes T[b':n].
-4. Every later ``checkpoint`` of that request is capped at a': nothing from a' on (reused KV, and
-   everything computed after it) reaches the tree; SGLang's release frees those slots, which only
-   this request ever owned.
+2. The request is admitted like any other. ``ScheduleBatch.prepare_for_extend`` lays its row out
+   in position order with fresh slots for [m, n); after it, :mod:`.one_pass` copies every span
+   of the chunk from its donor into those slots (K rotated by the span's delta, the whole batch
+   in one kernel launch) and drops the copied positions from the batch's computed tokens.
+3. ``ForwardBatch.init_new`` gives the computed tokens their true positions; the attention
+   backend (:mod:`.attention`) lets the query at position p see every key at position <= p.
+4. Every ``checkpoint`` of a request that reused KV is capped at its first copied position:
+   nothing reused, nor anything computed after it, reaches the tree; SGLang's release frees
+   those slots, which only this request ever owned.
 5. A request whose prompt is published becomes a donor (the provider keeps its token ids).
 
 substitute (opt-in, output-changing): ``Scheduler._add_request_to_queue`` rewrites an arriving
 request's prompt T to D[:a0] + T[a:] for its plan's first span [a, b) <- donor D [a0, b0), once
 the provider's similarity gate passed; SGLang's exact prefix cache then serves D[:b0] unchanged.
-No KV is copied and nothing approximate exists: the model sees the donor's head instead of the
-request's own. The hooks above stand aside for such requests.
+No KV is copied and nothing approximate exists. The hooks above stand aside for such requests.
 
 Any failure declines the plan or makes it a cold fallback; the request continues normally.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from array import array
 from typing import Any
-
-import torch
 
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from .hooked_adapter import RUNTIME_ATTR, HookedAdapter, copy_span_kv
-from .runtime import RequestReuse, SemblendRuntime
-from .scheduler_hooks import (
-    wrap_add_chunked_req,
-    wrap_add_request_to_queue,
-    wrap_get_internal_state,
-)
+from . import one_pass
+from .hooked_adapter import HookedAdapter
+from .runtime import RequestReuse
+from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
 from .substitute import substitute_request
 
-_CUT_ATTR = "_semblend_cut_at_boundary"
+SPARSE_EXTEND_BACKENDS = frozenset({"torch_native", "triton"})
+"""Prefill attention backends whose extend masks by position (hooked by :mod:`.attention`)."""
+
+
+def attention_supported() -> bool:
+    """False (logged once by the caller's decline) when the server's prefill attention backend
+    cannot run a sparse extend; True when it can or when no server context exists (the cache
+    alone, as in an in-process cache harness)."""
+    try:
+        from sglang.srt.runtime_context import attention_backends
+
+        prefill, _ = attention_backends()
+    except Exception:
+        return True
+    return prefill is None or str(prefill) in SPARSE_EXTEND_BACKENDS
 
 
 class UnifiedRadixCacheAdapter(HookedAdapter):
@@ -62,13 +70,14 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
     def apply(self) -> None:
         if self._originals:
             return
-        from sglang.srt.managers.schedule_policy import PrefillAdder
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.scheduler_components.internal_state import (
             SchedulerInternalStateController,
         )
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
         adapter = self
         runtime = self.runtime
@@ -77,8 +86,8 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         orig_on_release = UnifiedRadixCache.on_release
         orig_reset = UnifiedRadixCache.reset
         orig_finish = UnifiedRadixCache.finish
-        orig_select = PrefillAdder._select_prefill_admission
-        orig_add_chunked = PrefillAdder.add_chunked_req
+        orig_prepare = ScheduleBatch.prepare_for_extend
+        orig_init_new = ForwardBatch.init_new  # bound to ForwardBatch (a classmethod)
         orig_internal_state = SchedulerInternalStateController.get_internal_state
         orig_add_to_queue = Scheduler._add_request_to_queue
 
@@ -94,14 +103,11 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
 
         def checkpoint(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
             state = runtime.requests.get(getattr(req, "rid", None))
-            requested = up_to
             if state is not None and state.reused_any:
                 up_to = min(up_to, state.publish_cap)
             orig_checkpoint(self, req, up_to=up_to, **kwargs)
             rid = getattr(req, "rid", None)
-            runtime.guarded(
-                "checkpoint", rid, None, adapter._after_checkpoint, self, req, requested, orig_match
-            )
+            runtime.guarded("checkpoint", rid, None, adapter._after_checkpoint, req, up_to)
 
         def on_release(self: Any, req: Any, *, checkpointed: bool) -> None:
             orig_on_release(self, req, checkpointed=checkpointed)
@@ -118,18 +124,20 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             runtime.guarded("reset", None, None, runtime.forget_all_donors)
             return out
 
-        def _select_prefill_admission(self: Any, req: Any, **kwargs: Any) -> Any:
-            if getattr(self, _CUT_ATTR, False):
-                # A chunk was cut short at a reuse boundary in this step: admit nothing more,
-                # as SGLang does after a chunked request (it tracks one chunked request).
-                from sglang.srt.managers.schedule_policy import AddReqResult
+        def prepare_for_extend(self: Any) -> Any:
+            one_pass.clear(self)
+            out = orig_prepare(self)
+            runtime.guarded("load", None, None, adapter._load, self)
+            return out
 
-                return AddReqResult.OTHER
-            admission = orig_select(self, req, **kwargs)
-            rid = getattr(req, "rid", None)
-            return runtime.guarded(
-                "admission", rid, admission, adapter._cut_admission, self, req, admission, kwargs
-            )
+        def init_new(cls: Any, batch: Any, model_runner: Any, **kwargs: Any) -> Any:
+            ret = orig_init_new(batch, model_runner, **kwargs)
+            if getattr(batch, one_pass.SPARSE_ATTR, None) and ret.positions is not None:
+                if ret.forward_mode.is_decode_or_idle():
+                    one_pass.clear(batch)
+                else:
+                    ret.positions = one_pass.forward_positions(batch, ret.positions)
+            return ret
 
         replacements = {
             (UnifiedRadixCache, "match_prefix"): match_prefix,
@@ -137,10 +145,8 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (UnifiedRadixCache, "on_release"): on_release,
             (UnifiedRadixCache, "reset"): reset,
             (UnifiedRadixCache, "finish"): finish,
-            (PrefillAdder, "_select_prefill_admission"): _select_prefill_admission,
-            (PrefillAdder, "add_chunked_req"): wrap_add_chunked_req(
-                orig_add_chunked, runtime, adapter._cut_continuation
-            ),
+            (ScheduleBatch, "prepare_for_extend"): prepare_for_extend,
+            (ForwardBatch, "init_new"): classmethod(init_new),
             (SchedulerInternalStateController, "get_internal_state"): wrap_get_internal_state(
                 orig_internal_state, runtime
             ),
@@ -160,114 +166,50 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
     def _on_match(self, cache: Any, params: Any, req: Any, result: Any) -> None:
         exact_len = int(result.device_prefix_len) + int(getattr(result, "host_hit_length", 0) or 0)
         key = params.key
-        state = self._plan(cache, req, key.token_ids, getattr(key, "limit", None), exact_len)
-        if state is None:
-            return
-        reason, _ = self._match_donor(cache, state, self._original_match(cache))
-        if reason is not None:  # checked again at the copy; this spares a needless chunk cut
-            self.runtime.decline(req.rid, reason)
+        self._plan(cache, req, key.token_ids, getattr(key, "limit", None), exact_len)
 
     def _cache_supported(self, cache: Any) -> bool:
-        return self._pool_supported(cache)
+        return self._pool_supported(cache) and attention_supported()
 
-    # ----------------------------------------------------------------- 2. chunk at a'
-    def _cut_admission(self, adder: Any, req: Any, admission: Any, kwargs: dict[str, Any]) -> Any:
-        state = self.runtime.requests.get(req.rid)
-        if state is None or state.phase != "planned" or not hasattr(admission, "extend_len"):
-            return admission
-        start = int(admission.prefix_len)
-        end = start + int(admission.extend_len)
-        if state.boundary <= start:
-            self.runtime.decline(req.rid, Reason.SPANS_TRIMMED_AWAY)
-            return admission
-        if state.boundary >= end:
-            if admission.is_chunked:
-                state.phase = "head"  # the cut happens in a later chunk
-            return admission
-        if kwargs.get("has_chunked_req") or adder.new_chunked_req is not None:
-            self.runtime.decline(req.rid, Reason.CHUNK_SLOT_BUSY)
-            return admission
-        state.phase = "head"
-        setattr(adder, _CUT_ATTR, True)
-        return dataclasses.replace(
-            admission, extend_len=state.boundary - start, is_chunked=True, max_new_tokens=0
-        )
-
-    def _cut_continuation(self, adder: Any, req: Any, out: Any) -> Any:
-        state = self.runtime.requests.get(req.rid)
-        if state is None or state.phase != "head":
-            return out
-        if req.prefix_len < state.boundary < req.extend_end:
-            req.extend_end = state.boundary
-            setattr(adder, _CUT_ATTR, True)
-            return req
-        return out
-
-    # ----------------------------------------------------------------- 3. materialize
-    def _after_checkpoint(self, cache: Any, req: Any, up_to: int, orig_match: Any) -> None:
+    # ----------------------------------------------------------------- 2. copy, sparse extend
+    def _load(self, batch: Any) -> None:
+        """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`)."""
         runtime = self.runtime
-        state = runtime.requests.get(req.rid)
-        if state is not None and state.phase == "head" and up_to == state.boundary:
-            if req.finished() or req.extend_end != state.boundary:
-                runtime.decline(req.rid, Reason.ENGINE_DECLINED)
-                return
-            self._materialize(cache, req, state, orig_match)
+        if not runtime.requests or not any(r.rid in runtime.requests for r in batch.reqs):
             return
-        if state is not None and (state.phase == "materialized" or state.reused_any):
+        spec = self.rope_spec()
+        cache = batch.tree_cache
+        if spec is None or cache is None:
+            for req in batch.reqs:
+                if req.rid in runtime.requests and not runtime.requests[req.rid].reused_any:
+                    runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
+            return
+        try:
+            one_pass.load_batch_spans(runtime, cache, batch, self._match_donor, spec)
+        except Exception as exc:  # the batch is unchanged: its requests compute every position
+            for req in batch.reqs:
+                if req.rid in runtime.requests:
+                    runtime.fail("load", exc, req.rid)
+
+    # ----------------------------------------------------------------- 3. publish
+    def _after_checkpoint(self, req: Any, up_to: int) -> None:
+        state = self.runtime.requests.get(req.rid)
+        if state is not None and state.reused_any:
             return  # its prompt is not in the tree past the publish cap: not a donor
         self._register_donor(req, up_to)
 
-    def _materialize(self, cache: Any, req: Any, state: RequestReuse, orig_match: Any) -> None:
-        runtime = self.runtime
-        rid = req.rid
-        donor_end = state.donor_start + state.reused_tokens
-        ns = state.namespace
-        reason, found = self._match_donor(cache, state, orig_match)
-        if reason is not None:
-            runtime.decline(rid, reason)
-            return
-        spec = self.rope_spec()
-        if spec is None:
-            runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
-            return
-        n = state.reused_tokens
-        lock = cache.lock(found.last_device_node)
-        try:
-            path = cache.tree_core.collect_full_device_indices(
-                found.last_device_node, cache.root_node_handle(ns.extra_key)
-            )
-            src = path[state.donor_start : donor_end].to(torch.int64)
-            dst = copy_span_kv(cache, src, state, req.kv.req_pool_idx, spec)
-        finally:
-            cache.unlock(lock)
-        if dst is None:
-            runtime.decline(rid, Reason.NO_CAPACITY)
-            return
-        req.kv.kv_allocated_len = state.end
-        req.kv.kv_committed_len = state.end
-        req.extend_end = state.end  # checkpoint_kv_cache sets prefix_len = extend_end
-        state.reused_total += n
-        if state.index + 1 == len(state.spans):
-            runtime.finish_reuse(rid)
-            return
-        state.index += 1  # the scheduler computes [end, next boundary) first, then we copy
-        state.phase = "head"
-        if state.boundary == req.extend_end:  # adjacent spans: nothing to compute between
-            self._materialize(cache, req, state, orig_match)
-
     def _match_donor(
-        self, cache: Any, state: RequestReuse, orig_match: Any
+        self, cache: Any, state: RequestReuse, handle: Any, donor_end: int
     ) -> tuple[str | None, Any]:
-        """Match the donor's tokens up to its span's end in the tree: (None, match) when the span
-        is on the device; (donor_on_host, match) when HiCache holds the rest in host memory (the
-        donor is kept: it is used again once SGLang's own load-back, an exact hit on it, brings
-        it to the device); (donor_evicted, None) otherwise, and the donor is forgotten."""
+        """Match donor ``handle``'s tokens up to ``donor_end`` in the tree: (None, match) when
+        they are on the device; (donor_on_host, match) when HiCache holds the rest in host
+        memory (the donor is kept: it is used again once SGLang's own load-back, an exact hit on
+        it, brings it to the device); (donor_evicted, None) otherwise, and the donor is
+        forgotten."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        handle = state.plan.donor_handle
         donor = self.runtime.donor_tokens(handle)
-        donor_end = state.donor_start + state.reused_tokens
         if donor is not None and len(donor) >= donor_end:
             ns = state.namespace
             key = RadixKey(
@@ -275,7 +217,9 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
                 extra_key=ns.extra_key,
                 cache_salt=ns.cache_salt,
             )
-            found = self._donor_match(cache, MatchPrefixParams(key=key), orig_match)
+            found = self._donor_match(
+                cache, MatchPrefixParams(key=key), self._original_match(cache)
+            )
             on_device = int(found.device_prefix_len)
             if on_device >= donor_end:
                 return None, found
@@ -317,13 +261,3 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
     def _original_match(cache: Any) -> Any:
         method = type(cache).match_prefix
         return getattr(method, "__wrapped__", method)
-
-
-def runtime_of_installed() -> SemblendRuntime | None:
-    """The runtime of the adapter currently installed in this process, if any."""
-    try:
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    except Exception:
-        return None
-    runtime: SemblendRuntime | None = getattr(UnifiedRadixCache, RUNTIME_ATTR, None)
-    return runtime

@@ -1,0 +1,225 @@
+"""One-pass sparse extend for sglang 0.5.21+: copy every reused span of a prefill batch, then
+let the forward compute only the positions that were not reused.
+
+Called after ``ScheduleBatch.prepare_for_extend`` (which laid each request's ``req_to_token`` row
+out in position order with fresh slots for [prefix_len, extend_end)): for each request with an
+open plan, the parts of its spans inside this chunk are copied from their donors into the fresh
+slots at those positions (K rotated by each span's delta; all spans of the batch in one kernel
+launch), and the batch's computed tokens (``prefill_input_ids_cpu``, ``out_cache_loc``,
+``extend_lens``, ``extend_num_tokens``, ``extend_logprob_start_lens``) drop those positions.
+``prefix_lens``, ``seq_lens`` and the rows stay as they are. The true positions of the computed
+tokens are kept on the batch (:data:`SPARSE_ATTR`) for :func:`forward_positions`, which
+``ForwardBatch.init_new`` uses; the attention backend then masks by position.
+
+The last position of every chunk is always computed: a chunk never has nothing to compute, and
+the final chunk computes the last prompt token (the logits). Donors are locked only for the copy.
+A donor whose KV left the device costs only its own spans (they are computed instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from semblend_sglang.align import Span
+from semblend_sglang.plan import Reason
+
+from .runtime import RequestReuse, SemblendRuntime
+
+SPARSE_ATTR = "_semblend_sparse_positions"
+"""ScheduleBatch attribute: {rid: computed positions (CPU int64)} of its sparse requests."""
+
+
+@dataclass
+class _RequestLoad:
+    """One request's share of a batch's copy."""
+
+    index: int
+    req: Any
+    state: RequestReuse
+    lo: int
+    hi: int
+    pieces: list[tuple[Span, Hashable]]
+    copied: list[tuple[Span, Hashable]] = field(default_factory=list)
+    missed: str | None = None
+    """Why a donor's spans were not copied (the first such reason)."""
+
+
+def load_batch_spans(
+    runtime: SemblendRuntime,
+    cache: Any,
+    batch: Any,
+    match_donor: Any,
+    spec: Any,
+) -> None:
+    """Copy the reused spans of ``batch`` (after ``prepare_for_extend``) and make its extend
+    sparse. ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, match)`` like the
+    adapter's donor match. Requests are declined or completed through ``runtime``. Raises only
+    before anything in the batch was changed (the caller turns it into a cold fallback)."""
+    loads = _collect(runtime, batch)
+    if not loads:
+        return
+    receipts: list[Any] = []
+    src_parts: list[torch.Tensor] = []
+    dst_parts: list[torch.Tensor] = []
+    delta_parts: list[torch.Tensor] = []
+    rows = cache.req_to_token_pool.req_to_token
+    try:
+        for load in loads:
+            row = rows[load.req.kv.req_pool_idx]
+            by_donor: dict[Hashable, list[Span]] = {}
+            for span, donor in load.pieces:
+                by_donor.setdefault(donor, []).append(span)
+            for donor, spans in by_donor.items():
+                donor_end = max(s.donor_end for s in spans)
+                reason, found = match_donor(cache, load.state, donor, donor_end)
+                if reason is not None:
+                    load.missed = load.missed or reason
+                    continue  # these spans are computed instead
+                receipts.append(cache.lock(found.last_device_node))
+                path = cache.tree_core.collect_full_device_indices(
+                    found.last_device_node, cache.root_node_handle(load.state.namespace.extra_key)
+                )
+                for s in spans:
+                    src_parts.append(path[s.donor_start : s.donor_end].to(torch.int64))
+                    dst_parts.append(row[s.target_start : s.target_end].to(torch.int64))
+                    delta_parts.append(torch.full((s.length,), s.delta, dtype=torch.int64))
+                    load.copied.append((s, donor))
+        if src_parts:
+            _copy(cache, src_parts, dst_parts, delta_parts, spec)
+    finally:
+        for receipt in receipts:
+            cache.unlock(receipt)
+    _sparsify(batch, loads)
+    for load in loads:
+        _settle(runtime, load)
+
+
+def _collect(runtime: SemblendRuntime, batch: Any) -> list[_RequestLoad]:
+    loads: list[_RequestLoad] = []
+    for i, req in enumerate(batch.reqs):
+        state = runtime.requests.get(req.rid)
+        if state is None or not state.open:
+            continue
+        lo, hi = int(batch.prefix_lens[i]), int(req.extend_end)
+        reason = _unsupported_request(batch, i, req)
+        if reason is not None:
+            runtime.decline(req.rid, reason)
+            continue
+        pieces = state.pieces_within(lo, hi - 1)  # the chunk's last position is computed
+        loads.append(_RequestLoad(i, req, state, lo, hi, pieces))
+    return loads
+
+
+def _unsupported_request(batch: Any, i: int, req: Any) -> str | None:
+    """Why request ``i`` cannot take a sparse extend, or None."""
+    if (
+        req.input_embeds is not None
+        or req.multimodal_inputs is not None
+        or req.positional_embed_overrides is not None
+    ):
+        return Reason.UNSUPPORTED_CACHE
+    if batch.return_logprob and req.return_logprob:
+        if int(batch.extend_lens[i]) - int(batch.extend_logprob_start_lens[i]) > 0:
+            return Reason.INPUT_LOGPROBS  # input-token logprobs read a contiguous range
+    return None
+
+
+def _copy(
+    cache: Any,
+    src_parts: list[torch.Tensor],
+    dst_parts: list[torch.Tensor],
+    delta_parts: list[torch.Tensor],
+    spec: Any,
+) -> None:
+    from semblend_sglang.kernels import transfer_kv_sglang
+
+    pool = cache.token_to_kv_pool_allocator.get_kvcache()
+    device = pool.k_buffer[0].device
+    src = torch.cat(src_parts).to(device)
+    dst = torch.cat(dst_parts).to(device)
+    deltas = torch.cat(delta_parts).to(device)
+    transfer_kv_sglang(pool.k_buffer, pool.v_buffer, src, dst, deltas, spec)
+    if dst.is_cuda:
+        torch.cuda.current_stream(dst.device).synchronize()
+
+
+def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
+    """Drop the copied positions from the batch's computed tokens; keep their true positions."""
+    copied = {load.index: load for load in loads if load.copied}
+    if not copied:
+        return
+    ids = batch.prefill_input_ids_cpu
+    loc = batch.out_cache_loc
+    ext = list(batch.extend_lens)
+    keep = torch.ones(int(ids.numel()), dtype=torch.bool)
+    sparse: dict[str, torch.Tensor] = dict(getattr(batch, SPARSE_ATTR, None) or {})
+    start = 0
+    for i in range(len(batch.reqs)):
+        load = copied.get(i)
+        if load is not None:
+            mask = torch.ones(load.hi - load.lo, dtype=torch.bool)
+            for span, _ in load.copied:
+                mask[span.target_start - load.lo : span.target_end - load.lo] = False
+            keep[start : start + ext[i]] = mask
+            sparse[load.req.rid] = torch.arange(load.lo, load.hi, dtype=torch.int64)[mask]
+            tail = ext[i] - int(batch.extend_logprob_start_lens[i])
+            ext[i] = int(mask.sum())
+            batch.extend_logprob_start_lens[i] = ext[i] - tail
+        start += int(batch.extend_lens[i])
+    new_ids = torch.empty(int(keep.sum()), dtype=ids.dtype, pin_memory=ids.is_pinned())
+    torch.masked_select(ids, keep, out=new_ids)  # into pinned memory: the H2D copy stays async
+    batch.prefill_input_ids_cpu = new_ids
+    batch.out_cache_loc = loc[keep.to(loc.device)]
+    batch.extend_lens = ext
+    batch.extend_num_tokens = sum(ext)
+    setattr(batch, SPARSE_ATTR, sparse)
+
+
+def _settle(runtime: SemblendRuntime, load: _RequestLoad) -> None:
+    state = load.state
+    if load.copied:
+        state.loaded(load.copied, load.hi)
+    else:
+        state.skipped(load.hi)
+    if load.hi < len(load.req.origin_input_ids):
+        return  # later chunks may copy more
+    if state.reused_any:
+        runtime.finish_reuse(load.req.rid)
+    else:
+        runtime.decline(load.req.rid, load.missed or Reason.SPANS_TRIMMED_AWAY)
+
+
+def forward_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor | None:
+    """The true positions of ``batch``'s computed tokens when it holds sparse requests (None
+    otherwise): a sparse request's kept positions, ``arange(prefix, prefix + extend)`` for any
+    other request (decode rows mixed in included). ``positions`` is what sglang computed; the
+    result has its length, dtype and device. Raises ValueError when the batch's lengths and
+    ``positions`` disagree."""
+    sparse = getattr(batch, SPARSE_ATTR, None)
+    if not sparse:
+        return None
+    parts: list[torch.Tensor] = []
+    for i, req in enumerate(batch.reqs):
+        mine = sparse.get(req.rid)
+        ext = int(batch.extend_lens[i])
+        if mine is not None and int(mine.numel()) == ext:
+            parts.append(mine)
+        else:
+            pre = int(batch.prefix_lens[i])
+            parts.append(torch.arange(pre, pre + ext, dtype=torch.int64))
+    out = torch.cat(parts)
+    if out.numel() != positions.numel():
+        raise ValueError(
+            f"sparse positions ({out.numel()}) and the batch's tokens ({positions.numel()}) differ"
+        )
+    return out.to(device=positions.device, dtype=positions.dtype, non_blocking=True)
+
+
+def clear(batch: Any) -> None:
+    """Forget ``batch``'s sparse positions (it is about to be prepared for another step)."""
+    if getattr(batch, SPARSE_ATTR, None) is not None:
+        setattr(batch, SPARSE_ATTR, None)
