@@ -206,6 +206,17 @@ def test_install_and_remove_restore_sglangs_methods():
     assert not attention.hooks_installed("torch_native")
 
 
+def test_triton_metadata_has_the_replaced_fields():
+    """The triton hook rebuilds sglang's ForwardMetadata with dataclasses.replace of these."""
+    import dataclasses
+
+    from sglang.srt.layers.attention.triton_backend import ForwardMetadata
+
+    names = {f.name for f in dataclasses.fields(ForwardMetadata)}
+    replaced = {"qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr"}
+    assert replaced | {"max_extend_len"} <= names
+
+
 def test_sparse_extend_supported():
     native = object.__new__(TorchNativeAttnBackend)
     native.use_sliding_window_kv_pool = False

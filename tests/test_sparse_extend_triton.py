@@ -193,13 +193,24 @@ def test_metadata_rejects_bad_batches():
 
 
 # ------------------------------------------------------------------- the TritonAttnBackend hooks
+@dataclasses.dataclass
+class Metadata:
+    """The fields of sglang's triton ForwardMetadata that the hook replaces (the real class has
+    them: tests/test_attention_hooks.py checks; importing it here would cost seconds)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    max_extend_len: int
+    custom_mask: torch.Tensor | None = None
+    mask_indptr: torch.Tensor | None = None
+
+
 @pytest.fixture
 def triton_stub(extend_attention_fwd: Callable[..., Any]) -> Any:
     """A stand-in class with TritonAttnBackend's three hooked methods, whose metadata is what
     sglang builds for an extend (prefix = row[0:m], no mask) and whose kernel is the
     interpreted extend_attention_fwd; wrapped by the module's real wrapper factory."""
-    from sglang.srt.layers.attention.triton_backend import ForwardMetadata
-
     from semblend_sglang.patches.sglang import attention
 
     class Stub:
@@ -207,15 +218,11 @@ def triton_stub(extend_attention_fwd: Callable[..., Any]) -> Any:
             m = fb.extend_prefix_lens
             rows = fb.req_pool_indices
             kv = [self.req_to_token[r, : int(p)] for r, p in zip(rows, m, strict=True)]
-            fields = {f.name: None for f in dataclasses.fields(ForwardMetadata) if f.init}
-            self.forward_metadata = ForwardMetadata(
-                **{
-                    **fields,
-                    "qo_indptr": torch.cat([torch.zeros(1), fb.extend_seq_lens.cumsum(0)]).long(),
-                    "kv_indptr": torch.cat([torch.zeros(1), m.cumsum(0)]).int(),
-                    "kv_indices": torch.cat(kv).long(),
-                    "max_extend_len": int(fb.extend_seq_lens.max()),
-                }
+            self.forward_metadata = Metadata(
+                qo_indptr=torch.cat([torch.zeros(1), fb.extend_seq_lens.cumsum(0)]).long(),
+                kv_indptr=torch.cat([torch.zeros(1), m.cumsum(0)]).int(),
+                kv_indices=torch.cat(kv).long(),
+                max_extend_len=int(fb.extend_seq_lens.max()),
             )
 
         def init_forward_metadata_out_graph(self, fb: Any, in_capture: bool = False) -> None:

@@ -132,13 +132,15 @@ def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
 
 # ------------------------------------------------------------------------------ torch_native
 def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
-    """query_positions, computed once per forward batch (forward_extend runs once per layer)."""
+    """query_positions, computed once per forward batch (forward_extend runs once per layer):
+    reused while the batch object, its ``positions`` tensor and its lengths are the same."""
+    key = (id(forward_batch.positions), _lens(forward_batch))
     cached = getattr(backend, "_semblend_qpos", None)
-    if cached is not None and cached[0]() is forward_batch:
-        return cached[1]
+    if cached is not None and cached[0]() is forward_batch and cached[1] == key:
+        return cached[2]
     value = query_positions(forward_batch)
     try:
-        backend._semblend_qpos = (weakref.ref(forward_batch), value)
+        backend._semblend_qpos = (weakref.ref(forward_batch), key, value)
     except TypeError:  # an object without weak references: no cache
         backend._semblend_qpos = None
     return value
