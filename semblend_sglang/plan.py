@@ -45,7 +45,6 @@ class Reason:
     DONOR_ON_HOST = "donor_on_host"
     ABORTED = "aborted"
     NOT_AT_BOUNDARY = "not_at_boundary"
-    INPUT_LOGPROBS = "input_logprobs"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -71,7 +70,6 @@ class Reason:
         DONOR_ON_HOST,
         ABORTED,
         NOT_AT_BOUNDARY,
-        INPUT_LOGPROBS,
         OTHER,
     )
 

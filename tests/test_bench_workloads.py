@@ -111,7 +111,8 @@ def test_shape_and_lengths(name: str, ctx: int, built: dict) -> None:
     assert w.name == name and w.context_tokens == ctx and len(w.groups) == GROUPS
     for group in w.groups:
         assert len(group.probes) == 1
-        assert len(group.donors) == (0 if name == "control" else 1)
+        donors = {"control": 0, "rag_corpus": wl.RAG_CORPUS_DONORS}.get(name, 1)
+        assert len(group.donors) == donors
         assert group.requests == group.donors + group.probes
         assert len(group.probes[0].prompt_ids) == ctx
         for donor in group.donors:
@@ -133,6 +134,8 @@ def test_shared_spans_are_in_every_request(name: str, ctx: int, built: dict) -> 
         assert group.shared_spans
         reusable = sum(len(s) for s in group.shared_spans)
         assert reusable >= 0.75 * ctx, reusable
+        if name == "rag_corpus":  # in the probe and in some donor: test_rag_corpus
+            continue
         for span in group.shared_spans:
             for request in group.requests:
                 assert contains(request.prompt_ids, span), (group.group_id, request.role)
@@ -208,6 +211,23 @@ def test_rag(built: dict, tok: Any, essay_keys: list[str]) -> None:
         q_p = [q for q in questions if probe.prompt_ids[-len(q) :] == q]
         assert len(q_d) == len(q_p) == 1 and q_d != q_p  # the question goes last
         # The passages of one prompt come from different essays.
+        assert len({essay_of(p, essay_keys) for p in passages}) == wl.RAG_PASSAGES
+
+
+@pytest.mark.parametrize("ctx", LENGTHS)
+def test_rag_corpus(built: dict, tok: Any, essay_keys: list[str], ctx: int) -> None:
+    heads = [enc(tok, t) for t in wl.RAG_CORPUS_INSTRUCTIONS]
+    for group in built["rag_corpus", ctx].groups:
+        probe = group.probes[0]
+        passages = group.shared_spans
+        assert len(passages) == wl.RAG_PASSAGES
+        for p in passages:  # every probe passage was retrieved by some earlier request
+            assert _key(p) in _key(probe.prompt_ids)
+            assert any(_key(p) in _key(d.prompt_ids) for d in group.donors)
+        for d in group.donors:  # but no earlier request retrieved all of them
+            assert not all(_key(p) in _key(d.prompt_ids) for p in passages)
+        used = [h for r in group.requests for h in heads if _key(h) in _key(r.prompt_ids[:40])]
+        assert len(used) == len(group.requests) == len(set(used))  # an instruction each
         assert len({essay_of(p, essay_keys) for p in passages}) == wl.RAG_PASSAGES
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -161,7 +163,7 @@ def test_cover_takes_disjoint_pieces_of_the_given_spans(
     found = [(f"d{k}", tuple(Span(t, d, n) for t, d, n in spans)) for k, spans in enumerate(raw)]
     spans, donors = cover(found, min_length=min_length)
     assert len(spans) == len(donors)
-    for a, b in zip(spans, spans[1:], strict=False):
+    for a, b in itertools.pairwise(spans):
         assert a.target_end <= b.target_start  # sorted, disjoint in the target
     given_by_donor = dict(found)
     for piece, donor in zip(spans, donors, strict=True):

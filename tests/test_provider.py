@@ -308,7 +308,7 @@ def test_passages_seen_in_different_donors_are_reused_from_each(
     parts = [essay_ids[70000:70030]]
     for pid in target_ids[::-1]:
         parts += [label, corpus[pid]]
-    target = np.concatenate(parts + [essay_ids[95000:95020]])
+    target = np.concatenate([*parts, essay_ids[95000:95020]])
     decision = provider.lookup(NS, target, 0, "q")
     assert decision.plan is not None, decision
     plan = decision.plan

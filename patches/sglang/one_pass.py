@@ -12,8 +12,10 @@ tokens are kept on the batch (:data:`SPARSE_ATTR`) for :func:`forward_positions`
 ``ForwardBatch.init_new`` uses; the attention backend then masks by position.
 
 The last position of every chunk is always computed: a chunk never has nothing to compute, and
-the final chunk computes the last prompt token (the logits). Donors are locked only for the copy.
-A donor whose KV left the device costs only its own spans (they are computed instead).
+the final chunk computes the last prompt token (the logits). Positions whose input-token
+logprobs are asked for are computed too (sglang reads them as the tail of the computed tokens).
+Donors are locked only for the copy. A donor whose KV left the device costs only its own spans
+(they are computed instead).
 """
 
 from __future__ import annotations
@@ -105,26 +107,28 @@ def _collect(runtime: SemblendRuntime, batch: Any) -> list[_RequestLoad]:
         if state is None or not state.open:
             continue
         lo, hi = int(batch.prefix_lens[i]), int(req.extend_end)
-        reason = _unsupported_request(batch, i, req)
+        reason = _unsupported_request(req)
         if reason is not None:
             runtime.decline(req.rid, reason)
             continue
-        pieces = state.pieces_within(lo, hi - 1)  # the chunk's last position is computed
+        # the chunk's last position is computed, and so is every position whose input-token
+        # logprob is asked for (sglang reads those as the tail of the request's computed tokens)
+        limit = hi - 1
+        if batch.return_logprob and req.return_logprob:
+            limit = min(limit, lo + int(batch.extend_logprob_start_lens[i]))
+        pieces = state.pieces_within(lo, limit)
         loads.append(_RequestLoad(i, req, state, lo, hi, pieces))
     return loads
 
 
-def _unsupported_request(batch: Any, i: int, req: Any) -> str | None:
-    """Why request ``i`` cannot take a sparse extend, or None."""
+def _unsupported_request(req: Any) -> str | None:
+    """Why ``req`` cannot take a sparse extend, or None."""
     if (
         req.input_embeds is not None
         or req.multimodal_inputs is not None
         or req.positional_embed_overrides is not None
     ):
         return Reason.UNSUPPORTED_CACHE
-    if batch.return_logprob and req.return_logprob:
-        if int(batch.extend_lens[i]) - int(batch.extend_logprob_start_lens[i]) > 0:
-            return Reason.INPUT_LOGPROBS  # input-token logprobs read a contiguous range
     return None
 
 

@@ -32,14 +32,11 @@ from typing import Any
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from . import one_pass
+from . import attention, one_pass
 from .hooked_adapter import HookedAdapter
 from .runtime import RequestReuse
 from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
 from .substitute import substitute_request
-
-SPARSE_EXTEND_BACKENDS = frozenset({"torch_native", "triton"})
-"""Prefill attention backends whose extend masks by position (hooked by :mod:`.attention`)."""
 
 
 def attention_supported() -> bool:
@@ -52,7 +49,7 @@ def attention_supported() -> bool:
         prefill, _ = attention_backends()
     except Exception:
         return True
-    return prefill is None or str(prefill) in SPARSE_EXTEND_BACKENDS
+    return prefill is None or str(prefill) in attention.SPARSE_EXTEND_BACKENDS
 
 
 class UnifiedRadixCacheAdapter(HookedAdapter):
@@ -155,6 +152,14 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             ),
         }
         self._install(replacements)
+        self._own_attention_hooks = not attention.hooks_installed("torch_native")
+        attention.install_attention_hooks()
+
+    def remove(self) -> None:
+        super().remove()
+        if getattr(self, "_own_attention_hooks", False):
+            attention.remove_attention_hooks()
+            self._own_attention_hooks = False
 
     @classmethod
     def _tree_class(cls) -> type:

@@ -277,8 +277,8 @@ class Runner:
                 answer = client.generate(probe.prompt_ids, self.greedy_tokens)
                 after = client.snapshot()
                 outcome, reused = _outcome_delta(before, after)
-                if system == "exact_spans":
-                    reused_len[i] = answer.cached_tokens
+                if system == "exact_spans":  # SGLang reports its exact prefix only
+                    reused_len[i] = answer.cached_tokens + reused
                 rec = self._record(
                     workload,
                     group,

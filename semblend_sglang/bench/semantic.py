@@ -6,8 +6,9 @@ One SGLang server with semblend enabled. Per sample (a different real essay each
 - cold: instruction A + document (this request becomes the donor);
 - semantic: instruction B + document (the server reuses the donor's KV for the document);
 - exact: the cache is flushed, the first ``c`` tokens of the semantic prompt are sent on their own,
-  then the semantic prompt again, where ``c`` is the semantic request's ``cached_tokens`` — an
-  exact prefix hit of the same reused length, SGLang's own best case;
+  then the semantic prompt again, where ``c`` is what the semantic request did not compute (its
+  ``cached_tokens``, the exact prefix, plus the tokens semblend reused) — an exact prefix hit of
+  the same reused length, SGLang's own best case;
 - miss: a prompt of the same length from an essay no request has used (no donor).
 
 With ``--vanilla`` (default) a vanilla server (``SEMBLEND_ENABLED=0``, same flags) runs beside it
@@ -19,7 +20,8 @@ scheduler spent in semblend's hooks while the miss request ran (``hook_seconds``
 ``GET /semblend/snapshot``, read before and after it: lookup, donor registration and every other
 hook), divided by the cold TTFT.
 
-All TTFTs are streaming, greedy; reuse is read from the server's ``cached_tokens``.
+All TTFTs are streaming, greedy; semantic reuse is read from the server's own counters
+(``GET /semblend/snapshot``: SGLang's ``cached_tokens`` reports the exact prefix only).
 """
 
 from __future__ import annotations
@@ -81,13 +83,15 @@ def _prompts(doc_tokens: int, samples: int) -> list[tuple[str, list[int], list[i
     return out
 
 
-def _hook_ms(url: str, run: Any) -> tuple[Any, float]:
-    """``run()``'s result and the hook time (ms) the server's schedulers spent while it ran."""
+def _hook_ms(url: str, run: Any) -> tuple[Any, float, int]:
+    """``run()``'s result, the hook time (ms) the server's schedulers spent while it ran, and
+    the tokens semblend reused meanwhile."""
     before = semblend_snapshot(url) or {}
     out = run()
     after = semblend_snapshot(url) or {}
     spent = float(after.get("hook_seconds", 0.0)) - float(before.get("hook_seconds", 0.0))
-    return out, 1000.0 * spent
+    reused = int(after.get("reused_tokens", 0)) - int(before.get("reused_tokens", 0))
+    return out, 1000.0 * spent, reused
 
 
 Prompt = tuple[str, list[int], list[int], list[int]]
@@ -100,12 +104,14 @@ def run_sample(url: str, prompt: Prompt) -> SemanticSample:
     name, prompt_a, prompt_b, miss = prompt
     flush_cache(url)
     cold_s, _ = stream_generate(url, prompt_a)
-    (semantic_s, meta), semantic_hook_ms = _hook_ms(url, lambda: stream_generate(url, prompt_b))
-    semantic_cached = int(meta.get("cached_tokens", 0))
+    (semantic_s, meta), semantic_hook_ms, reused = _hook_ms(
+        url, lambda: stream_generate(url, prompt_b)
+    )
+    semantic_cached = int(meta.get("cached_tokens", 0)) + reused
     flush_cache(url)
     stream_generate(url, prompt_b[: max(semantic_cached, 1)])
     exact_s, meta_exact = stream_generate(url, prompt_b)
-    (miss_s, _), miss_hook_ms = _hook_ms(url, lambda: stream_generate(url, miss))
+    (miss_s, _), miss_hook_ms, _ = _hook_ms(url, lambda: stream_generate(url, miss))
     return SemanticSample(
         essay=name,
         prompt_tokens=len(prompt_b),

@@ -64,6 +64,17 @@ RAG_QUESTIONS: tuple[str, ...] = (
     "Question: Which claim in these passages would you challenge first?\nAnswer:",
 )
 
+#: rag_corpus: passages in a group's shared corpus, donor requests before each probe, and the
+#: instructions put in front of the passages (a probe's differs from every donor's).
+RAG_CORPUS_PASSAGES = 6
+RAG_CORPUS_DONORS = 3
+RAG_CORPUS_INSTRUCTIONS: tuple[str, ...] = (
+    "Answer the question using only the retrieved passages below.\n\n",
+    "You are a research assistant. Read the sources and answer briefly.\n\n",
+    "Use the context passages to answer. Say so if they do not contain the answer.\n\n",
+    "Retrieved documents follow. Cite the passage numbers you rely on.\n\n",
+)
+
 #: template: a long system prompt whose header carries a date and a user name.
 TEMPLATE_HEAD = "You are a helpful assistant. Answer using the reference text below.\n"
 TEMPLATE_DATE_LINE = "Date: {date}\n"
@@ -98,6 +109,7 @@ CHAT_SEPARATOR = "\n\n"
 BUILTIN_WORKLOADS: tuple[str, ...] = (
     "cross_instruction",
     "rag",
+    "rag_corpus",
     "template",
     "multi_turn",
     "control",
@@ -131,8 +143,9 @@ class RequestGroup:
     """Related requests: donors first, then at least one probe that should reuse them.
 
     A group may have no donor (the control set: every probe is a miss). ``shared_spans`` are
-    token runs that every request of the group contains contiguously: what a probe can at best
-    reuse from its donor beyond the exact prefix (empty when unknown, e.g. for user files).
+    token runs that the probe and at least one donor contain contiguously (every donor, except
+    in ``rag_corpus``): what a probe can at best reuse from its donors beyond the exact prefix
+    (empty when unknown, e.g. for user files).
     """
 
     group_id: str
@@ -337,6 +350,72 @@ def _rag(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> 
     )
 
 
+def _rag_corpus(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
+    """RAG over a shared corpus: the probe's 4 passages were each retrieved by an earlier request
+    (a donor), but no donor retrieved all of them; every request has its own instruction,
+    passage order and question."""
+    labels = [encode(tok, RAG_PASSAGE_LABEL.format(k=k + 1)) for k in range(RAG_PASSAGES)]
+    sep = encode(tok, RAG_SEPARATOR)
+    heads = [encode(tok, text) for text in RAG_CORPUS_INSTRUCTIONS]
+    questions = [encode(tok, text) for text in RAG_QUESTIONS]
+    order = rng.sample(range(len(heads)), RAG_CORPUS_DONORS + 1)  # the probe's head is the last
+    asked = [rng.randrange(len(questions)) for _ in order]
+    overhead = (
+        len(heads[order[-1]])
+        + sum(len(label) + len(sep) for label in labels)
+        + len(questions[asked[-1]])
+    )
+    size = (ctx - overhead) // RAG_PASSAGES
+    corpus: list[_Slice] = []
+    for _ in range(RAG_CORPUS_PASSAGES):
+        corpus.append(pool.take(size, avoid=frozenset(p.essay for p in corpus)))
+    chosen = rng.sample(range(RAG_CORPUS_PASSAGES), RAG_PASSAGES)
+    others = [j for j in range(RAG_CORPUS_PASSAGES) if j not in chosen]
+    # each donor retrieved two of the probe's passages (pairs overlap, none has all four)
+    pairs = [chosen[0:2], chosen[2:4], chosen[1:3]]
+
+    def prompt(head: int, picked: list[int], question: int) -> tuple[int, ...]:
+        out = list(heads[head])
+        for k, j in enumerate(picked):
+            out += labels[k] + corpus[j].ids + sep
+        out += questions[question]
+        return tuple(out)
+
+    def describe(head: int, picked: list[int], question: int) -> str:
+        where = ", ".join(corpus[j].where for j in picked)
+        return f"instruction {head}, corpus passages {picked} ({where}), question {question}"
+
+    requests: list[BenchRequest] = []
+    for d in range(RAG_CORPUS_DONORS):
+        picked = pairs[d] + others
+        rng.shuffle(picked)
+        requests.append(
+            BenchRequest(
+                prompt(order[d], picked, asked[d]),
+                "donor",
+                corpus[picked[-1]].reference,
+                describe(order[d], picked, asked[d]),
+            )
+        )
+    probe = list(chosen)
+    rng.shuffle(probe)
+    ids = prompt(order[-1], probe, asked[-1])
+    requests.append(
+        BenchRequest(
+            _pad(ids, ctx - len(ids), sep),  # the integer division's remainder, in front
+            "probe",
+            corpus[probe[-1]].reference,
+            describe(order[-1], probe, asked[-1]),
+        )
+    )
+    return RequestGroup(gid, tuple(requests), shared_spans=tuple(corpus[j].ids for j in chosen))
+
+
+def _pad(ids: tuple[int, ...], missing: int, sep: tuple[int, ...]) -> tuple[int, ...]:
+    """``ids`` with ``missing`` (>= 0) copies of the separator's last token in front."""
+    return (sep[-1],) * missing + ids
+
+
 def _template(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
     date, name = rng.choice(DATES), rng.choice(NAMES)
     new_date, new_name = date, name
@@ -437,6 +516,7 @@ def _control(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random)
 _BUILDERS = {
     "cross_instruction": _cross_instruction,
     "rag": _rag,
+    "rag_corpus": _rag_corpus,
     "template": _template,
     "multi_turn": _multi_turn,
     "control": _control,
@@ -455,9 +535,10 @@ def build_workload(
 
     ``tokenizer``: the SmolLM2 tokenizer (transformers or ``tokenizers.Tokenizer``); ``essays``:
     the texts of :func:`semblend_sglang.data.essay_texts`. Each of the ``groups`` groups has one
-    donor and one probe (control: one probe, no donor); probes are exactly ``context_tokens``
-    long and every request carries :data:`REFERENCE_TOKENS` reference tokens, the essay text
-    right after its last essay slice. Deterministic for equal arguments (see the module doc).
+    donor and one probe (control: one probe, no donor; rag_corpus: three donors); probes are
+    exactly ``context_tokens`` long and every request carries :data:`REFERENCE_TOKENS` reference
+    tokens, the essay text right after its last essay slice. Deterministic for equal arguments
+    (see the module doc).
 
     Raises ValueError for an unknown name, ``context_tokens < MIN_CONTEXT_TOKENS``,
     ``groups < 1``, or when the essays cannot supply enough non-overlapping text.
