@@ -339,6 +339,66 @@ def test_donor_evicted_between_lookup_and_copy_is_declined(
     _assert_drained(h)
 
 
+def test_passages_from_two_donors_and_one_evicted_before_the_copy(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """A plan that takes passages from two donors; the first time, one donor's KV is evicted
+    between the lookup and the copy: only its spans are computed, the other donor's are reused.
+    The next such request reuses from both."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
+    runtime = adapter.runtime
+    first, second = _document(passages, 4, 4), [t for p in passages[4][4:8] for t in p]
+    donor_a = instructions[0] + first + instructions[2]
+    donor_b = instructions[1] + second + instructions[3]
+    for tokens in (donor_a, donor_b):
+        h.submit(tokens)
+        h.run_until_idle()
+    evicted: list[str] = []
+
+    def evict_donor_b(harness: SglangCacheHarness, req: Any) -> None:
+        if req.rid in runtime.requests and not evicted:
+            evicted.append(req.rid)
+            keep = harness.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", donor_a))))
+            lock = harness.cache.lock(keep.last_device_node)  # donor A stays resident
+            harness.cache.evict(EvictParams(num_tokens=harness.config.pool_tokens))
+            harness.cache.unlock(lock)
+
+    h.match_hook = evict_donor_b
+    target = h.submit(instructions[5] + second + instructions[4] + first, max_new_tokens=2)
+    _step_until(h, lambda: _materialized(runtime, target.rid))
+    state = runtime.requests[target.rid]
+    assert evicted == [target.rid]
+    assert len(state.plan.donors) == 2  # the plan took a span from each donor
+    assert len(state.donors_loaded) == 1  # donor B's spans were computed instead
+    assert _check_loaded_kv(h, runtime, target) == state.reused_total
+    assert state.reused_total >= len(first) - 2 * CONFIG.sink_tokens - 3
+    h.run_until_idle()
+    assert target.finished()
+    check_invariants(h, full_kv=True)
+
+    h.match_hook = None
+    h.submit(donor_b)  # B is a donor again
+    h.run_until_idle()
+    again = h.submit(instructions[3] + first + instructions[1] + second, max_new_tokens=2)
+    _step_until(h, lambda: _materialized(runtime, again.rid))
+    state = runtime.requests[again.rid]
+    assert len(state.donors_loaded) == 2
+    assert _check_loaded_kv(h, runtime, again) == state.reused_total
+    h.run_until_idle()
+    snap = runtime.provider.snapshot()
+    assert snap["outcomes"]["materialized"] == 2 and snap["multi_donor_requests"] == 1, snap
+    check_invariants(h, full_kv=True)
+    _assert_drained(h)
+
+
 def test_donor_in_host_memory_is_kept_and_used_after_load_back_mock_host_tier(
     adapter: Any,
     model_config: Any,

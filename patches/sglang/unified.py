@@ -26,6 +26,7 @@ Any failure declines the plan or makes it a cold fallback; the request continues
 
 from __future__ import annotations
 
+import logging
 from array import array
 from typing import Any
 
@@ -37,6 +38,8 @@ from .hooked_adapter import HookedAdapter
 from .runtime import RequestReuse
 from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
 from .substitute import substitute_request
+
+logger = logging.getLogger(__name__)
 
 
 def attention_supported() -> bool:
@@ -128,6 +131,8 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             return out
 
         def init_new(cls: Any, batch: Any, model_runner: Any, **kwargs: Any) -> Any:
+            if adapter.backend_ok is None:  # the first forward: learn the backend instance
+                runtime.guarded("backend", None, None, adapter._check_backend, model_runner)
             ret = orig_init_new(batch, model_runner, **kwargs)
             if getattr(batch, one_pass.SPARSE_ATTR, None) and ret.positions is not None:
                 if ret.forward_mode.is_decode_or_idle():
@@ -174,7 +179,24 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         self._plan(cache, req, key.token_ids, getattr(key, "limit", None), exact_len)
 
     def _cache_supported(self, cache: Any) -> bool:
-        return self._pool_supported(cache) and attention_supported()
+        return (
+            self._pool_supported(cache) and attention_supported() and self.backend_ok is not False
+        )
+
+    backend_ok: bool | None = None
+    """Whether the model runner's attention backend runs a sparse extend (None until the first
+    forward shows it; the configured backend's name decides until then)."""
+
+    def _check_backend(self, model_runner: Any) -> None:
+        backend = getattr(model_runner, "attn_backend", None)
+        self.backend_ok = backend is None or attention.sparse_extend_supported(backend)
+        if not self.backend_ok:
+            logger.warning(
+                "semblend: attention backend %s cannot run a sparse extend; every plan is "
+                "declined as %s",
+                type(backend).__name__,
+                Reason.UNSUPPORTED_CACHE,
+            )
 
     # ----------------------------------------------------------------- 2. copy, sparse extend
     def _load(self, batch: Any) -> None:

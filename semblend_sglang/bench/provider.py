@@ -93,7 +93,11 @@ def load_corpus() -> Corpus:
 
 
 def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
-    """Register ``donors`` donors, then time ``queries`` lookups. Returns one result row."""
+    """Register ``donors`` donors, then time ``queries`` lookups. Returns one result row. The
+    provider's settings are the defaults with any ``SEMBLEND_*`` variables applied (for side by
+    side runs of other settings)."""
+    import dataclasses
+
     from prometheus_client import CollectorRegistry
 
     from ..config import Config
@@ -101,7 +105,7 @@ def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
     from ..provider import SemanticProvider
 
     namespace = Namespace("SmolLM2-135M-Instruct", "bench")
-    config = Config(max_donors=donors)
+    config = dataclasses.replace(Config.from_env(), max_donors=donors)
     donor_inputs = [corpus.donor_tokens(h) for h in range(min(donors, 64))]
 
     def token_source(handle: Any) -> np.ndarray:
