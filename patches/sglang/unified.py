@@ -43,16 +43,31 @@ logger = logging.getLogger(__name__)
 
 
 def attention_supported() -> bool:
-    """False (logged once by the caller's decline) when the server's prefill attention backend
-    cannot run a sparse extend; True when it can or when no server context exists (the cache
-    alone, as in an in-process cache harness)."""
+    """False (logged once) when the server's prefill attention backend cannot run a sparse
+    extend; True when it can or when no server context exists (the cache alone, as in an
+    in-process cache harness)."""
+    global _unsupported_logged
     try:
         from sglang.srt.runtime_context import attention_backends
 
         prefill, _ = attention_backends()
     except Exception:
         return True
-    return prefill is None or str(prefill) in attention.SPARSE_EXTEND_BACKENDS
+    if prefill is None or str(prefill) in attention.SPARSE_EXTEND_BACKENDS:
+        return True
+    if not _unsupported_logged:
+        _unsupported_logged = True
+        logger.warning(
+            "semblend: prefill attention backend %s cannot run a sparse extend (supported: %s); "
+            "every plan is declined as %s",
+            prefill,
+            ", ".join(sorted(attention.SPARSE_EXTEND_BACKENDS)),
+            Reason.UNSUPPORTED_CACHE,
+        )
+    return False
+
+
+_unsupported_logged = False
 
 
 class UnifiedRadixCacheAdapter(HookedAdapter):
