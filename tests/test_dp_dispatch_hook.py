@@ -32,6 +32,11 @@ def dpc() -> Any:
     return data_parallel_controller
 
 
+_open: list[Any] = []
+"""zmq contexts of this module's harnesses, destroyed after each test (an open context blocks
+the interpreter's exit)."""
+
+
 @pytest.fixture()
 def installed(dpc: Any) -> Iterator[None]:
     from semblend_sglang.patches.sglang.dp_dispatch import (
@@ -44,6 +49,8 @@ def installed(dpc: Any) -> Iterator[None]:
         yield
     finally:
         uninstall_dp_dispatch()
+        while _open:
+            _open.pop().destroy(linger=0)
     assert not hasattr(dpc.sock_send, "__wrapped__")
 
 
@@ -54,6 +61,8 @@ class _Harness:
         from semblend_sglang.patches.sglang.dp_dispatch import DonorAwareDispatch
 
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        _open.append(self.ctx)
         self.pull = []
         ctl = object.__new__(dpc.DataParallelController)
         ctl.workers = []
@@ -151,11 +160,23 @@ def test_total_tokens_controller_skips_a_loaded_donor_rank(dpc: Any) -> None:
     h = _Harness(dpc, "total_tokens", replace(Config(), dispatch_load_margin=2000))
     doc = _doc(3)
     assert h.send(np.concatenate((_head(0), doc)), routed_dp_rank=1) == 1
-    assert h.send(np.concatenate((_head(1), doc))) == 1  # idle ranks: the donor wins
+    assert h.ctl.dp_budget.total_tokens == [0, 830]  # a pin counts at once (SGLang's does not)
+    assert h.send(np.concatenate((_head(1), doc))) == 1  # within the margin: the donor wins
     h.ctl.dp_budget.total_tokens[:] = [0, 5000]
     assert h.send(np.concatenate((_head(2), doc))) == 0  # total_tokens decided
     assert h.hook.stats()["overloaded"] == 1
     assert h.ctl.dp_budget.total_tokens[0] == 830  # SGLang's own speculative count
+
+
+@pytest.mark.usefixtures("installed")
+def test_a_burst_pinned_to_the_donors_rank_is_seen_before_the_rank_reports_it(dpc: Any) -> None:
+    h = _Harness(dpc, "round_robin", replace(Config(), dispatch_load_margin=2000))
+    doc = _doc(5)
+    assert h.send(np.concatenate((_head(0), doc)), routed_dp_rank=1) == 1
+    for i in range(3):
+        assert h.send(_doc(60 + i), routed_dp_rank=1) == 1
+    assert h.send(np.concatenate((_head(1), doc))) == 0  # rank 1 carries 3,230 queued tokens
+    assert h.hook.stats()["overloaded"] == 1
 
 
 @pytest.mark.usefixtures("installed")

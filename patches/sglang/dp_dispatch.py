@@ -6,11 +6,12 @@ before the controller is built; :func:`install_dp_dispatch` wraps
 through :class:`DonorAwareDispatch` (it replaces the instance's ``dispatching``, the one method
 every generate request goes through, single or batched; health checks do not).
 
-Per request: a client-pinned request (``routed_dp_rank``, the ``X-Data-Parallel-Rank`` header)
-goes to SGLang's own method untouched. Otherwise :class:`~semblend_sglang.dispatch.DonorRouter`
-proposes the rank holding the request's donor, judged on the controller's load view
-(``DPBudget.total_tokens``: KV in use plus queued tokens per rank, refreshed from the ranks' load
-snapshots); with no proposal SGLang's configured method (round_robin, total_requests,
+Per request: a client-pinned request (``routed_dp_rank`` in the request body; sglang 0.5.23's
+HTTP server reads no header for it) goes to SGLang's own method untouched. Otherwise
+:class:`~semblend_sglang.dispatch.DonorRouter` proposes the rank holding the request's donor,
+judged on the controller's load view (``DPBudget.total_tokens``: KV in use plus queued tokens per
+rank, refreshed from the ranks' load snapshots, plus this hook's count of what it and the pins
+sent since); with no proposal SGLang's configured method (round_robin, total_requests,
 total_tokens) decides. The rank the request went to, whoever chose it, is recorded as the
 request's donor rank. Fail open: any error in semblend's part is counted, logged once, and the
 request goes to SGLang's own method. Nothing here runs in the schedulers.
@@ -129,7 +130,16 @@ class DonorAwareDispatch:
             self.router.record(namespace, req.input_ids, rank, route)
         except Exception as exc:
             self._fail("record", exc)
-        if self.dispatched & (self.dispatched - 1) == 0 or self.dispatched % self.LOG_EVERY == 0:
+        self._maybe_log(route)
+
+    def _maybe_log(self, route: Route | None) -> None:
+        """One INFO line of :meth:`stats` when the dispatch count, or the count of this
+        request's reason, reaches a power of two, and every ``LOG_EVERY`` dispatches: a few
+        lines per reason over a server's life, the first of each at once."""
+        n = self.dispatched
+        counts = self.router.counts
+        k = counts.get(route.reason, 0) if route is not None else 0
+        if n & (n - 1) == 0 or n % self.LOG_EVERY == 0 or (k and k & (k - 1) == 0):
             logger.info("semblend dispatch: %s", self.stats())
 
     def stats(self) -> dict[str, int]:
@@ -167,9 +177,13 @@ class DonorAwareDispatch:
         socket = self._sent_to
         if socket is None:
             return None
+        pinned = getattr(req, "routed_dp_rank", None) is not None
         for rank, worker in enumerate(self.controller.workers):
             if worker is socket:
-                if not self._sglang_counts_budget:
+                # SGLang counts only what DPBudget.dispatch placed; count pins and
+                # round-robin too, or a burst pinned to one rank stays invisible until that
+                # rank publishes its next load snapshot (between its batches).
+                if pinned or not self._sglang_counts_budget:
                     budget = self.controller.dp_budget
                     budget.total_requests[rank] += 1
                     budget.total_tokens[rank] += len(getattr(req, "input_ids", ()) or ())
