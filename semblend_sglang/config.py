@@ -240,6 +240,37 @@ FIELDS: tuple[FieldSpec, ...] = (
         False,
         "In discovery_only mode, also embed query and donor and record their similarity.",
     ),
+    FieldSpec(
+        "dispatch_enabled",
+        bool,
+        True,
+        "With --dp-size N: send each request to the data-parallel rank holding its donor "
+        "(docs/scale-out.md).",
+    ),
+    FieldSpec(
+        "dispatch_load_margin",
+        int,
+        8192,
+        "Tokens a donor's rank may be loaded above the least-loaded rank and still be chosen; "
+        "beyond it SGLang's own dispatch method decides.",
+        minimum=0,
+    ),
+    FieldSpec(
+        "dispatch_index_bytes",
+        int,
+        64 * 1024 * 1024,
+        "Byte bound of the dispatcher's index of what went to which rank.",
+        minimum=1024 * 1024,
+    ),
+    FieldSpec(
+        "dispatch_expire_ratio",
+        float,
+        1.0,
+        "A dispatch entry expires once its rank was sent this many times its KV pool size in "
+        "tokens since.",
+        minimum=0.01,
+        maximum=1000.0,
+    ),
 )
 
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
@@ -376,6 +407,10 @@ class Config:
     min_candidate_tokens: int = 32
     chunk_avg_tokens: int = 16
     embed_discovery: bool = False
+    dispatch_enabled: bool = True
+    dispatch_load_margin: int = 8192
+    dispatch_index_bytes: int = 64 * 1024 * 1024
+    dispatch_expire_ratio: float = 1.0
     unknown_keys: tuple[str, ...] = field(default=(), compare=False)
     """SEMBLEND_* env vars and JSON keys that name no field (reported, not applied)."""
 

@@ -77,7 +77,8 @@ def installed_adapter() -> SglangAdapter | None:
 def load_plugin() -> None:
     """``sglang.srt.plugins`` entry point: patch when ``SEMBLEND_ENABLED=1``; never raises.
 
-    In the HTTP server's process it also adds ``GET /semblend/snapshot`` (.http_routes).
+    In the HTTP server's process it also adds ``GET /semblend/snapshot`` (.http_routes); in the
+    data-parallel controller's, donor-aware dispatch (.dp_dispatch).
     A bad configuration is logged (with the offending key) and leaves SGLang unpatched.
     On a CPU runtime it first makes torch_native's extend query-only, whatever
     ``SEMBLEND_ENABLED`` says (``.attention.install_cpu_query_only_extend``; off with
@@ -100,6 +101,22 @@ def load_plugin() -> None:
             install_snapshot_route_on_import()
     except Exception as exc:
         logger.error("semblend: not installed (%s: %s)", type(exc).__name__, exc)
+    _install_dp_dispatch_here()
+
+
+def _install_dp_dispatch_here() -> None:
+    """Donor-aware data-parallel dispatch (.dp_dispatch), in the process that holds SGLang's
+    DataParallelController module (the controller runs the plugins after importing it)."""
+    import sys
+
+    from .dp_dispatch import CONTROLLER_MODULE, install_dp_dispatch
+
+    if CONTROLLER_MODULE not in sys.modules:
+        return
+    try:
+        install_dp_dispatch()
+    except Exception as exc:
+        logger.error("semblend: dispatch not installed (%s: %s)", type(exc).__name__, exc)
 
 
 def snapshot() -> dict[str, Any] | None:

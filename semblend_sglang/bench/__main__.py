@@ -23,6 +23,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.semantic",
         "Semantic-hit TTFT vs cold and vs an exact hit of the same length; miss overhead.",
     ),
+    "dispatch": (
+        "semblend_sglang.bench.dispatch",
+        "Data-parallel dispatch simulated: hit rate, load imbalance, cost (no engine).",
+    ),
 }
 DEFAULT_JOB = "e2e"
 
