@@ -72,7 +72,7 @@ def _step_until(h: LegacyCacheHarness, done: Any, max_steps: int = 200) -> None:
 
 def _phase(adapter: Any, req: Any) -> str | None:
     state = adapter.runtime.requests.get(req.rid)
-    return None if state is None else state.phase
+    return None if state is None else state.state.value
 
 
 def _donor_slots(h: LegacyCacheHarness, tokens: list[int]) -> torch.Tensor:
