@@ -86,6 +86,8 @@ class WorkerSide:
         self.loaded_tokens = 0
         self.failed_jobs = 0
         self.on_error = on_error
+        self.model_hook_seen = False
+        """True once a worker-init hook handed over the live model's rotary module."""
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Keep vLLM's per-layer cache tensors (one entry per distinct tensor) and settle the
