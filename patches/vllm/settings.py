@@ -30,7 +30,7 @@ from semblend_sglang.config import Config, ConfigError
 
 CONNECTOR_MODES = ("discovery_only", "exact_prefix", "request_only_experimental")
 MATERIALIZING_MODES = ("exact_prefix", "request_only_experimental")
-KV_LAYOUTS = ("auto", "vllm_packed", "vllm_cpu")
+KV_LAYOUTS = ("auto", "vllm_packed", "vllm_cpu", "vllm_cpu_kt")
 
 _PROVIDER_MODE = {
     "discovery_only": "discovery_only",

