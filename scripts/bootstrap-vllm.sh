@@ -20,6 +20,7 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$repo/.venv-vllm}"
+[[ "$venv" == /* ]] || venv="$PWD/$venv"  # the import check below runs from another folder
 python="${PYTHON:-python3}"
 stamp="$venv/.semblend-bootstrap-vllm"
 
