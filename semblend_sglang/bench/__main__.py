@@ -23,6 +23,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.semantic",
         "Semantic-hit TTFT vs cold and vs an exact hit of the same length; miss overhead.",
     ),
+    "vllm": (
+        "semblend_sglang.bench.vllm_served",
+        "The vLLM connector on a real vLLM engine: TTFT reuse vs cold, vLLM's counters, quality.",
+    ),
 }
 DEFAULT_JOB = "e2e"
 
