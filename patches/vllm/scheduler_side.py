@@ -4,8 +4,8 @@ Runs in vLLM's scheduler (EngineCore) process, called only by :class:`SemBlendCo
 scheduler methods, on the scheduler thread. Donors are finished requests. In the loading modes
 this class keeps their blocks alive by holding one reference each in vLLM's ``BlockPool``
 (``touch`` / ``free_blocks``), up to ``donor_block_fraction`` of the pool, least recently
-registered released first (``discovery_only`` holds no blocks: the provider keeps the donors'
-tokens). A load job
+registered released first, and released before vLLM preempts a running request for lack of
+blocks (``discovery_only`` holds no blocks: the provider keeps the donors' tokens). A load job
 additionally holds the donor's blocks until the recipient finishes. Every reference taken is
 returned exactly once. Blocks that receive donor KV, and every later block of that request, are
 kept out of vLLM's prefix cache: the hashes published for them by ``allocate_slots`` are removed
@@ -137,6 +137,8 @@ class SchedulerSide:
         self.budget_blocks = 0
         self.pinned_blocks = 0
         self.released_donors = 0
+        self.pressure_releases = 0
+        """Donors released by :meth:`relieve_pressure` (a subset of ``released_donors``)."""
         self._donors: OrderedDict[str, _Donor] = OrderedDict()
         self._leases: dict[str, list[list[Any]]] = {}
         """Per recipient, the donor blocks its load jobs hold (one list per job)."""
@@ -163,9 +165,15 @@ class SchedulerSide:
 
     def choose(self, request: Any, num_computed_tokens: int) -> LoadChoice:
         """What may be loaded for ``request`` beyond vLLM's ``num_computed_tokens`` (block-
-        aligned). Looks the request up (the provider caches the first decision per request)."""
+        aligned). Looks the request up (the provider caches the first decision per request).
+        A request with ``skip_reading_prefix_cache`` (vLLM sets it for ``prompt_logprobs`` and
+        the per-request opt-out) gets 0 tokens and no lookup."""
         rid = request.request_id
-        if not eligible(request):
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # prompt_logprobs or the per-request opt-out: vLLM reads no cached KV for this
+            # request, so neither may the connector (and it is not looked up at all).
+            choice = LoadChoice(0, Reason.DISABLED)
+        elif not eligible(request):
             choice = LoadChoice(0, Reason.OTHER)
         else:
             decision = self.provider.lookup(
@@ -343,6 +351,24 @@ class SchedulerSide:
         if len(self.provider.index) < len(self._donors):
             for handle in [h for h in self._donors if h not in self.provider.index]:
                 self._unpin(handle)
+
+    def relieve_pressure(self) -> bool:
+        """vLLM could not allocate blocks for a running request and is about to preempt one
+        (``has_pending_block_frees``): return donor blocks first. Donors are released least
+        recently registered first until the pool's free count has grown by half the blocks
+        the donors held (at least one block), or no donor is left. True when the free count
+        grew: vLLM then retries the allocation next step instead of preempting. A donor whose
+        blocks are all still held by others (running requests, load leases) frees nothing, so
+        repeated calls end with no donors and False, and vLLM preempts as it would without
+        the connector."""
+        if self.pool is None or not self._donors:
+            return False
+        before = self.pool.get_num_free_blocks()
+        want = max(1, self.pinned_blocks // 2)
+        while self._donors and self.pool.get_num_free_blocks() - before < want:
+            self._forget(next(iter(self._donors)))
+            self.pressure_releases += 1
+        return self.pool.get_num_free_blocks() > before
 
     def _forget(self, handle: str) -> None:
         self._unpin(handle)

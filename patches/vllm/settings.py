@@ -30,7 +30,7 @@ from semblend_sglang.config import Config, ConfigError
 
 CONNECTOR_MODES = ("discovery_only", "exact_prefix", "request_only_experimental")
 MATERIALIZING_MODES = ("exact_prefix", "request_only_experimental")
-KV_LAYOUTS = ("auto", "vllm_packed", "vllm_cpu")
+KV_LAYOUTS = ("auto", "vllm_packed", "vllm_cpu", "vllm_cpu_kt")
 
 _PROVIDER_MODE = {
     "discovery_only": "discovery_only",
@@ -97,10 +97,14 @@ def settings_from_extra_config(
         # vLLM loads a prefix: nothing can be recomputed between the boundary and the span, so
         # there are no sink tokens, and the span at the boundary must survive the planner's
         # span limit (the connector picks it; see scheduler_side).
-        overrides.update(sink_tokens=0, strict_prefix_boundary=False)
+        # One donor per plan: vLLM loads a run of one donor's blocks.
+        overrides.update(sink_tokens=0, strict_prefix_boundary=False, max_plan_donors=1)
     elif mode == "request_only_experimental":
         overrides.update(
-            sink_tokens=0, strict_prefix_boundary=False, exact_materialization_only=False
+            sink_tokens=0,
+            strict_prefix_boundary=False,
+            exact_materialization_only=False,
+            max_plan_donors=1,
         )
     return ConnectorSettings(
         mode=mode,

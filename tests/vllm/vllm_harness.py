@@ -165,6 +165,8 @@ class VllmHarness:
         self.load_jobs: list[tuple[Any, list[str]]] = []
         """Every load job sent, with the donors whose blocks it reads."""
         self.steps = 0
+        self.connector_stats: list[dict[str, Any]] = []
+        """Every ``SchedulerStats.kv_connector_stats`` payload vLLM's scheduler produced."""
         self.public_cache: dict[tuple[str, int], dict[bytes, tuple[list[int], int]]] = {}
         self.expected_pages: dict[bytes, torch.Tensor] = {}
         self._ids = itertools.count()
@@ -179,9 +181,16 @@ class VllmHarness:
         cache_salt: str | None = None,
         lora: str | None = None,
         rid: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Request:
-        """Add a generation request for ``tokens`` (greedy, ``max_tokens`` new tokens)."""
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        """Add a generation request for ``tokens`` (greedy, ``max_tokens`` new tokens;
+        ``prompt_logprobs`` makes vLLM set ``skip_reading_prefix_cache``)."""
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            prompt_logprobs=prompt_logprobs,
+        )
         sp.update_from_generation_config({}, EOS)
         lora_request = None if lora is None else LoRARequest(lora, 1 + len(lora), "/nonexistent")
         request = Request(
@@ -248,6 +257,9 @@ class VllmHarness:
         )
         outputs = self.scheduler.update_from_output(out, runner)
         for engine_out in outputs.values():
+            stats = engine_out.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
             for o in engine_out.outputs:
                 if o.finish_reason is not None:
                     self.tracked[o.request_id].finished = True
