@@ -385,7 +385,7 @@ def test_passages_from_two_donors_and_one_evicted_before_the_copy(
     check_invariants(h, full_kv=True)
 
     h.match_hook = None
-    h.submit(donor_b)  # B is a donor again
+    h.submit(donor_b)  # B's passages again: reused from the target's exact head
     h.run_until_idle()
     again = h.submit(instructions[3] + first + instructions[1] + second, max_new_tokens=2)
     _step_until(h, lambda: _materialized(runtime, again.rid))
@@ -394,7 +394,43 @@ def test_passages_from_two_donors_and_one_evicted_before_the_copy(
     assert _check_loaded_kv(h, runtime, again) == state.reused_total
     h.run_until_idle()
     snap = runtime.provider.snapshot()
-    assert snap["outcomes"]["materialized"] == 2 and snap["multi_donor_requests"] == 1, snap
+    assert snap["outcomes"]["materialized"] == 3 and snap["multi_donor_requests"] == 1, snap
+    check_invariants(h, full_kv=True)
+    _assert_drained(h)
+
+
+def test_a_recipient_donates_its_exact_head_and_nothing_after_it(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """A request that reused KV publishes only its head before the first copied position; that
+    head (cold KV) is indexed as a donor, so a passage first seen there is reused by a later
+    request, while the recipient's approximate tail is never offered."""
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
+    runtime = adapter.runtime
+    doc_a, doc_b = _document(passages, 0, 6), _document(passages, 1, 4)
+    h.submit(instructions[0] + doc_a)
+    h.run_until_idle()
+    recipient_tokens = instructions[1] + doc_b + doc_a
+    recipient = h.submit(recipient_tokens, max_new_tokens=2)
+    _step_until(h, lambda: _materialized(runtime, recipient.rid))
+    cap = runtime.requests[recipient.rid].publish_cap
+    assert len(instructions[1] + doc_b) <= cap < len(recipient_tokens) - len(doc_a) // 2
+    h.run_until_idle()
+    assert len(runtime.provider.index) == 2  # the donor, and the recipient's head
+    heads = [runtime.donor_tokens(hd) for hd in runtime.provider.index.handles()]
+    assert sorted(len(t) for t in heads) == sorted([cap, len(instructions[0] + doc_a)])
+    check_invariants(h, full_kv=True)  # the head in the tree holds cold KV
+
+    target = h.submit(instructions[2] + doc_b + instructions[3], max_new_tokens=2)
+    _step_until(h, lambda: _materialized(runtime, target.rid))
+    state = runtime.requests[target.rid]
+    assert all(len(runtime.donor_tokens(d)) == cap for _, d in state.loaded_pieces)
+    assert state.reused_total >= len(doc_b) - 2 * CONFIG.sink_tokens - 2
+    assert _check_loaded_kv(h, runtime, target) == state.reused_total
+    h.run_until_idle()
     check_invariants(h, full_kv=True)
     _assert_drained(h)
 

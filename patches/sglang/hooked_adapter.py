@@ -105,11 +105,14 @@ class HookedAdapter(SglangAdapter):
             return None
         return state
 
-    def _register_donor(self, req: Any, published_len: int) -> None:
-        """Index ``req``'s prompt as a donor when the tree now holds all of it (once)."""
+    def _register_donor(self, req: Any, published_len: int, cap: int | None = None) -> None:
+        """Index ``req``'s prompt as a donor (once) when the tree now holds all of it, or, for a
+        request that reused KV (``cap``: its publish cap), the exact head ``prompt[:cap]`` when
+        the tree holds that: everything after it is approximate and was never published."""
         prompt = req.origin_input_ids
-        if published_len >= len(prompt) >= self.config.min_prompt_tokens and eligible(req):
-            self.runtime.register_donor(namespace_for(req), req.rid, list(prompt))
+        end = len(prompt) if cap is None else min(int(cap), len(prompt))
+        if published_len >= end >= self.config.min_prompt_tokens and eligible(req):
+            self.runtime.register_donor(namespace_for(req), req.rid, list(prompt[:end]))
 
 
 def copy_span_kv(

@@ -237,7 +237,9 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
     def _after_checkpoint(self, req: Any, up_to: int) -> None:
         state = self.runtime.requests.get(req.rid)
         if state is not None and state.reused_any:
-            return  # its prompt is not in the tree past the publish cap: not a donor
+            # only its exact head (before the publish cap) is in the tree: a donor of that
+            self._register_donor(req, up_to, cap=state.publish_cap)
+            return
         self._register_donor(req, up_to)
 
     def _match_donor(
