@@ -298,7 +298,10 @@ class SemblendRuntime:
         self.release(rid)
 
     def release(self, rid: str) -> None:
-        """The request ended (finished, aborted or retracted): drop its state."""
+        """The request ended (finished, aborted or retracted): drop its state. A request that
+        reused KV and had not yet recorded its outcome (aborted or retracted mid-prefill) is
+        recorded as materialized with the tokens it reused."""
+        self._stop_after_reuse(rid)
         self.requests.pop(rid, None)
         self.settled.discard(rid)
         self.registered.discard(rid)
