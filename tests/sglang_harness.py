@@ -23,6 +23,10 @@ Aborts follow `Scheduler.abort_request` (scheduler.py:5690-5812): a waiting requ
 running one gets `to_finish = FINISH_ABORT()` and is released (with checkpoint) after its next
 decode, the chunked request is released without checkpoint (scheduler.py:3780-3821).
 
+Retraction follows `Scheduler.update_running_batch` (scheduler.py:4470-4540): when a decode step
+finds too little memory (or a test asks, like sglang's TEST_RETRACT), `ScheduleBatch.retract_decode`
+releases requests without checkpoint and they go back to the waiting queue for a new prefill.
+
 Deterministic KV model: K/V at position p is a function of (token, p, layer, namespace, h_p) where
 h_p = H(h_{p-1}, token_p) chains through the KV the request attends to (h_{p-1} is read back from
 the pool slot at p-1 of the request's own row). A prefix KV that came from other tokens therefore
@@ -290,6 +294,21 @@ class SglangCacheHarness:
         if not req.finished():
             req.to_finish = FINISH_ABORT()
 
+    def retract_decode(self) -> list[Any]:
+        """Retract running requests as `Scheduler.update_running_batch` does on a full pool (or
+        under TEST_RETRACT): sglang's `retract_decode` picks and releases them (no checkpoint;
+        at least one request stays), they are queued again; returns them. Requests it aborts
+        instead are dropped from the batch by it and finish here."""
+        batch = self.running_batch
+        if batch.is_empty():
+            return []
+        retracted, _, aborted = batch.retract_decode()
+        for req in aborted:
+            req.finished_reason = req.to_finish
+        self.waiting_queue.extend(retracted)
+        self.stats["retracted"] = self.stats.get("retracted", 0) + len(retracted)
+        return retracted
+
     def live_requests(self) -> list[Any]:
         """Requests that hold a req_to_token row now (running, chunked, or just prefilled)."""
         seen: dict[int, Any] = {}
@@ -538,7 +557,9 @@ class SglangCacheHarness:
         report = StepReport(kind="decode")
         batch = self.running_batch
         if not batch.check_decode_mem():
-            raise RuntimeError("decode ran out of KV memory; retraction is not mirrored")
+            self.retract_decode()
+            if batch.is_empty():
+                return report
         batch.prepare_for_decode()
         for i, req in enumerate(batch.reqs):
             pos = len(req.origin_input_ids) + len(req.output_ids) - 1

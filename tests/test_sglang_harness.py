@@ -99,11 +99,14 @@ def _drive_random(
     instructions: list[list[int]],
     num_requests: int,
     seed: int,
+    *,
+    retract: bool = False,
 ) -> dict[str, int]:
-    """Submit, step and abort at random; check invariants after every step and abort."""
+    """Submit, step and abort at random (and, with ``retract``, retract running requests as
+    sglang's TEST_RETRACT does); check invariants after every step, abort and retraction."""
     rng = random.Random(seed)
     history: list[list[int]] = []
-    counts = {"aborted": 0, "chunked": 0, "steps": 0, "decode_steps": 0}
+    counts = {"aborted": 0, "chunked": 0, "steps": 0, "decode_steps": 0, "retracted": 0}
     submitted: list[Any] = []
     seen_chunked: set[str] = set()
 
@@ -138,6 +141,8 @@ def _drive_random(
         elif roll < 0.09 and not harness.running_batch.is_empty():
             harness.abort(rng.choice(harness.running_batch.reqs))
             counts["aborted"] += 1
+        elif retract and roll < 0.15 and len(harness.running_batch.reqs) > 1:
+            counts["retracted"] += len(harness.retract_decode())
         check_invariants(harness)
     counts["steps"] += harness.run_until_idle()
     check_invariants(harness, full_kv=True)

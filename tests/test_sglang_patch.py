@@ -33,6 +33,7 @@ from semblend_sglang.patches.sglang import (
     unpatch_radix_cache,
 )
 from semblend_sglang.patches.sglang.runtime import ReuseState
+from semblend_sglang.plan import Reason
 
 __all__ = ["instructions", "model_config", "passages"]  # re-exported fixtures
 
@@ -231,7 +232,7 @@ def test_reordered_passages_reuse_every_span_with_its_own_shift(
     _assert_drained(h)
 
 
-def test_randomized_multi_span_traffic_keeps_every_invariant(
+def test_randomized_multi_donor_traffic_with_retraction_keeps_every_invariant(
     multi_span_adapter: Any,
     model_config: Any,
     passages: list[list[list[int]]],
@@ -241,10 +242,13 @@ def test_randomized_multi_span_traffic_keeps_every_invariant(
         HarnessConfig(pool_tokens=6144, chunked_prefill_size=256, max_running_requests=8),
         model_config,
     )
-    counts = _drive_random(harness, passages, instructions, 300, seed=11)
+    counts = _drive_random(harness, passages, instructions, 500, seed=11, retract=True)
     snap = multi_span_adapter.runtime.provider.snapshot()
     print(f"multi-span run: {harness.stats} {counts} {snap['outcomes']} {snap['declined']}")
     assert snap["outcomes"]["materialized"] >= 15, snap
+    assert snap["multi_donor_requests"] >= 1, snap
+    assert counts["retracted"] >= 3 and counts["aborted"] >= 3, counts
+    assert Reason.UNREPORTED not in snap["declined"], snap  # every plan's outcome was recorded
     assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
     assert not multi_span_adapter.runtime.requests, "request state leaked past release"
     _assert_drained(harness)

@@ -14,7 +14,8 @@ exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- do
 4. Every ``checkpoint`` of a request that reused KV is capped at its first copied position:
    nothing reused, nor anything computed after it, reaches the tree; SGLang's release frees
    those slots, which only this request ever owned.
-5. A request whose prompt is published becomes a donor (the provider keeps its token ids).
+5. A request whose prompt is published becomes a donor (the provider keeps its token ids); one
+   that reused KV donates its exact head only, the prompt before its publish cap.
 
 substitute (opt-in, output-changing): ``Scheduler._add_request_to_queue`` rewrites an arriving
 request's prompt T to D[:a0] + T[a:] for its plan's first span [a, b) <- donor D [a0, b0), once
