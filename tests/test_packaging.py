@@ -81,3 +81,22 @@ def test_wheel_layout_and_scratch_venv_install(tmp_path: Path) -> None:
         assert origins[name] is not None and origins[name].startswith(site), (name, origins)
     assert origins["patches"] is None
     assert origins["kernels"] is None
+
+
+def test_patch_functions_are_importable_from_the_package_without_importing_sglang() -> None:
+    code = (
+        "import sys, semblend_sglang\n"
+        "assert 'sglang' not in sys.modules and 'torch' not in sys.modules, 'eager import'\n"
+        "from semblend_sglang import patch_radix_cache, unpatch_radix_cache\n"
+        "import semblend_sglang.patches.sglang as p\n"
+        "assert patch_radix_cache is p.patch_radix_cache\n"
+        "assert unpatch_radix_cache is p.unpatch_radix_cache\n"
+        "assert 'sglang' not in sys.modules, 'the patch module imported sglang'\n"
+        "try:\n"
+        "    semblend_sglang.no_such_name\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('unknown attribute resolved')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

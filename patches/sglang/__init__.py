@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Any
 
-from semblend_sglang.config import Config
+from semblend_sglang.config import Config, ConfigError
 
 from .adapter import SglangAdapter, installed_sglang_version
 
@@ -79,7 +79,10 @@ def load_plugin() -> None:
 
     In the HTTP server's process it also adds ``GET /semblend/snapshot`` (.http_routes); in the
     data-parallel controller's, donor-aware dispatch (.dp_dispatch).
-    A bad configuration is logged (with the offending key) and leaves SGLang unpatched.
+    A bad ``SEMBLEND_*`` setting is fatal, as under the launcher: it raises ``SystemExit``
+    naming the key (SGLang's plugin loader catches ``Exception`` only), so the server does not
+    start with a configuration it would ignore. Any other failure is logged and leaves SGLang
+    unpatched.
     On a CPU runtime it first makes torch_native's extend query-only, whatever
     ``SEMBLEND_ENABLED`` says (``.attention.install_cpu_query_only_extend``; off with
     ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``).
@@ -95,7 +98,12 @@ def load_plugin() -> None:
     if os.environ.get("SEMBLEND_ENABLED", "0").strip().lower() not in ("1", "true", "yes", "on"):
         return
     try:
-        if patch_radix_cache() is not None:
+        config = Config.from_env()
+    except ConfigError as exc:
+        logger.error("semblend: bad configuration: %s", exc)
+        raise SystemExit(f"semblend: bad configuration: {exc}") from exc
+    try:
+        if patch_radix_cache(config) is not None:
             from .http_routes import install_snapshot_route_on_import
 
             install_snapshot_route_on_import()
@@ -123,4 +131,4 @@ def snapshot() -> dict[str, Any] | None:
     """Outcome counters of this process's installed patch (None when not installed)."""
     adapter = _installed
     runtime = getattr(adapter, "runtime", None)
-    return None if runtime is None else runtime.provider.snapshot()
+    return None if runtime is None else runtime.snapshot()

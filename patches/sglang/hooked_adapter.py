@@ -85,7 +85,7 @@ class HookedAdapter(SglangAdapter):
         substitute mode, return None without a lookup."""
         runtime = self.runtime
         rid = req.rid
-        if rid in runtime.requests or rid in runtime.settled:
+        if rid in runtime.requests or rid in runtime.settled or not runtime.active:
             return None
         if not self.config.enabled or self.config.mode == "substitute" or not eligible(req):
             return None  # substitute mode decides at arrival
@@ -111,6 +111,8 @@ class HookedAdapter(SglangAdapter):
         the tree holds that: everything after it is approximate and was never published."""
         prompt = req.origin_input_ids
         end = len(prompt) if cap is None else min(int(cap), len(prompt))
+        if not self.runtime.active:
+            return
         if published_len >= end >= self.config.min_prompt_tokens and eligible(req):
             self.runtime.register_donor(namespace_for(req), req.rid, list(prompt[:end]))
 

@@ -189,6 +189,29 @@ class SemblendRuntime:
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._tokenizer: Any = None
+        self.refused: tuple[str, ...] = ()
+        """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
+
+    # ----------------------------------------------------------------- start-up
+    def refuse(self, options: list[str]) -> None:
+        """The server runs with ``options`` that semantic reuse does not support: log them once
+        (one line) and stay out of every request from now on (no lookup, no donor)."""
+        self.refused = tuple(options)
+        logger.warning(
+            "semblend: semantic reuse is off in this scheduler; unsupported server options: %s",
+            "; ".join(options),
+        )
+
+    @property
+    def active(self) -> bool:
+        """True unless :meth:`refuse` turned reuse off."""
+        return not self.refused
+
+    def snapshot(self) -> dict[str, Any]:
+        """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named)."""
+        snap = self.provider.snapshot()
+        snap["unsupported_options"] = list(self.refused)
+        return snap
 
     # ----------------------------------------------------------------- donors
     def register_donor(self, namespace: Namespace, rid: str, tokens: Any) -> None:

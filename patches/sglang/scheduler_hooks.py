@@ -12,6 +12,7 @@ from typing import Any
 
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .runtime import SemblendRuntime
+from .server_options import unsupported_options
 
 
 def wrap_get_internal_state(original: Callable[..., Any], runtime: SemblendRuntime) -> Any:
@@ -21,7 +22,7 @@ def wrap_get_internal_state(original: Callable[..., Any], runtime: SemblendRunti
     def get_internal_state(self: Any, recv_req: Any) -> Any:
         out = original(self, recv_req)
         try:
-            out.internal_state[STATE_KEY] = runtime.provider.snapshot()
+            out.internal_state[STATE_KEY] = runtime.snapshot()
             out.internal_state[CONFIG_KEY] = runtime.config.as_dict()
         except Exception as exc:
             runtime.fail("internal_state", exc)
@@ -40,7 +41,7 @@ def wrap_add_request_to_queue(
 
     def _add_request_to_queue(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         retracted = kwargs.get("is_retracted", args[0] if args else False)
-        if runtime.config.mode == "substitute" and not retracted:
+        if runtime.config.mode == "substitute" and not retracted and runtime.active:
             rid = getattr(req, "rid", None)
             runtime.guarded("substitute", rid, None, substitute, self, req)
         return original(self, req, *args, **kwargs)
@@ -62,3 +63,21 @@ def wrap_add_chunked_req(
         return runtime.guarded("chunked_admission", rid, out, cut, self, req, out)
 
     return add_chunked_req
+
+
+def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) -> Any:
+    """``Scheduler.__init__`` that, once the scheduler is built, names every server option
+    semantic reuse does not support (:func:`.server_options.unsupported_options`) and turns
+    the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`)."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        server_args = getattr(self, "server_args", None)
+        model_config = getattr(self, "model_config", None)
+        refused = runtime.guarded(
+            "startup", None, [], unsupported_options, server_args, model_config
+        )
+        if refused:
+            runtime.refuse(refused)
+
+    return __init__

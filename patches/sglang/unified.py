@@ -37,7 +37,11 @@ from semblend_sglang.plan import Reason
 from . import attention, one_pass
 from .hooked_adapter import HookedAdapter
 from .runtime import RequestReuse
-from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
+from .scheduler_hooks import (
+    wrap_add_request_to_queue,
+    wrap_get_internal_state,
+    wrap_scheduler_init,
+)
 from .substitute import substitute_request
 
 logger = logging.getLogger(__name__)
@@ -106,6 +110,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         orig_init_new = ForwardBatch.init_new  # bound to ForwardBatch (a classmethod)
         orig_internal_state = SchedulerInternalStateController.get_internal_state
         orig_add_to_queue = Scheduler._add_request_to_queue
+        orig_scheduler_init = Scheduler.__init__
 
         def match_prefix(self: Any, params: Any) -> Any:
             result = orig_match(self, params)
@@ -171,6 +176,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (Scheduler, "_add_request_to_queue"): wrap_add_request_to_queue(
                 orig_add_to_queue, runtime, adapter._substitute
             ),
+            (Scheduler, "__init__"): wrap_scheduler_init(orig_scheduler_init, runtime),
         }
         self._install(replacements)
         self._own_attention_hooks = not attention.hooks_installed("torch_native")

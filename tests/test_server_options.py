@@ -1,0 +1,115 @@
+"""Server options semantic reuse does not support: named at scheduler start-up, and the runtime
+then stays out of every request. Checked with sglang's real ``ServerArgs`` and ``ModelConfig``
+and, at cache level, the real cache classes (tests/sglang_harness.py); the real server is in
+tests/test_e2e_server_options.py."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_harness import HarnessConfig, SglangCacheHarness, check_invariants
+from test_sglang_harness import instructions, model_config, passages
+
+from semblend_sglang.config import Config
+from semblend_sglang.patches.sglang import load_plugin, patch_radix_cache, unpatch_radix_cache
+from semblend_sglang.patches.sglang.server_options import unsupported_options
+
+__all__ = ["instructions", "model_config", "passages"]  # re-exported fixtures
+
+
+def _server_args(model_dir: Path, **options: Any) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(model_dir), device="cpu", **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"disable_radix_cache": True}, "--disable-radix-cache"),
+        ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
+        ({"page_size": 16}, "--page-size 16"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3"),
+        ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"),
+    ],
+)
+def test_each_unsupported_option_is_named(
+    smollm2_model_dir: Path, options: dict[str, Any], named: str
+) -> None:
+    found = unsupported_options(_server_args(smollm2_model_dir, **options))
+    assert len(found) == 1 and found[0].startswith(named), found
+
+
+def test_the_served_defaults_and_a_plain_model_are_supported(
+    smollm2_model_dir: Path, model_config: Any
+) -> None:
+    args = _server_args(smollm2_model_dir, page_size=1, kv_cache_dtype="auto")
+    assert unsupported_options(args, model_config) == []
+    assert unsupported_options(_server_args(smollm2_model_dir, kv_cache_dtype="bfloat16")) == []
+
+
+def test_mla_and_sliding_window_models_are_named(
+    smollm2_model_dir: Path, model_config: Any
+) -> None:
+    from sglang.srt.configs.model_config import AttentionArch
+
+    mla = model_config.__class__.__new__(model_config.__class__)
+    mla.__dict__.update(model_config.__dict__, attention_arch=AttentionArch.MLA)
+    swa = model_config.__class__.__new__(model_config.__class__)
+    swa.__dict__.update(model_config.__dict__, is_hybrid_swa=True)
+    args = _server_args(smollm2_model_dir)
+    assert [line.split(":")[0] for line in unsupported_options(args, mla)] == ["MLA attention"]
+    assert unsupported_options(args, swa)[0].startswith("sliding-window attention")
+
+
+@pytest.fixture
+def refused_adapter() -> Iterator[Any]:
+    unpatch_radix_cache()
+    adapter = patch_radix_cache(Config(min_prompt_tokens=64, min_reuse_tokens=32))
+    assert adapter is not None
+    try:
+        yield adapter
+    finally:
+        unpatch_radix_cache()
+
+
+def test_a_refused_runtime_looks_nothing_up_and_registers_no_donor(
+    refused_adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runtime = refused_adapter.runtime
+    with caplog.at_level(logging.WARNING):
+        runtime.refuse(["--disable-radix-cache: no exact cache holds donor KV"])
+    assert [r.message for r in caplog.records if "unsupported server options" in r.message]
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=4096), model_config)
+    doc = [t for p in passages[0][:6] for t in p]
+    first = h.submit(instructions[0] + doc)
+    h.run_until_idle()
+    second = h.submit(instructions[1] + doc, max_new_tokens=2)
+    h.run_until_idle()
+    assert first.finished() and second.finished()
+    snap = runtime.snapshot()
+    assert snap["lookups"] == 0 and len(runtime.provider.index) == 0, snap
+    assert snap["unsupported_options"] == ["--disable-radix-cache: no exact cache holds donor KV"]
+    check_invariants(h, full_kv=True)
+
+
+def test_a_bad_setting_under_the_plugin_stops_the_server_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SEMBLEND_ENABLED", "1")
+    monkeypatch.setenv("SEMBLEND_MAX_SPANS", "lots")
+    monkeypatch.setenv("SEMBLEND_CPU_QUERY_ONLY_EXTEND", "0")
+    unpatch_radix_cache()
+    with pytest.raises(SystemExit, match="SEMBLEND_MAX_SPANS"):
+        load_plugin()
+    from semblend_sglang.patches.sglang import installed_adapter
+
+    assert installed_adapter() is None
