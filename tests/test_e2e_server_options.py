@@ -1,7 +1,9 @@
 """End to end: server options a user may set, on the real SGLang 0.5.23 CPU server with the
 plugin. ``--chunked-prefill-size -1`` serves semantic hits (the chunk-cut path that once raised
 inside SGLang's ``PrefillBudget`` is gone); ``--disable-radix-cache`` is named once at start-up
-and no request is looked up; a bad ``SEMBLEND_*`` value stops the server at start naming the key.
+and no request is looked up (and ``/semblend/snapshot`` needs ``--admin-api-key`` when one is
+set, as SGLang's admin endpoints do); a bad ``SEMBLEND_*`` value stops the server at start
+naming the key.
 
 SGLang checks its pools when idle and raises on a leak (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE,
 on by default): a server still healthy after idling is one whose invariants held.
@@ -9,7 +11,9 @@ on by default): a server still healthy after idling is one whose invariants held
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +25,7 @@ from semblend_sglang.server import SglangServer, free_port, http_json, start_ser
 
 pytestmark = pytest.mark.e2e
 
+ADMIN_KEY = "semblend-admin-test-key"
 INSTRUCTIONS = (
     "Summarize the following essay in three sentences.\n\n",
     "Read the essay below carefully and list the author's main arguments.\n\n",
@@ -50,8 +55,12 @@ def _generate(url: str, ids: list[int], max_new_tokens: int = 8, **extra: Any) -
     return http_json(url + "/generate", payload)
 
 
-def _rank(url: str) -> dict[str, Any]:
-    snap = http_json(url + "/semblend/snapshot")
+def _rank(url: str, key: str | None = None) -> dict[str, Any]:
+    request = urllib.request.Request(url + "/semblend/snapshot")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        snap = json.loads(resp.read().decode())
     (rank,) = snap["ranks"]
     assert rank is not None
     rank_snap: dict[str, Any] = rank
@@ -106,13 +115,18 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
     prompts: tuple[list[int], list[int]],
 ) -> None:
     log = tmp_path_factory.mktemp("no-radix") / "server.log"
-    srv = _serve(smollm2_model_dir, log, ["--disable-radix-cache"], {"SEMBLEND_ENABLED": "1"})
+    args = ["--disable-radix-cache", "--admin-api-key", ADMIN_KEY]
+    srv = _serve(smollm2_model_dir, log, args, {"SEMBLEND_ENABLED": "1"})
     try:
         srv.wait_healthy(timeout=600)
         for ids in prompts:
             answer = _generate(srv.url, ids, 4)
             assert answer["meta_info"]["completion_tokens"] == 4
-        rank = _rank(srv.url)
+        # the snapshot follows SGLang's admin rule: with --admin-api-key it needs the key
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            _rank(srv.url)
+        assert denied.value.code == 401
+        rank = _rank(srv.url, ADMIN_KEY)
         assert rank["lookups"] == 0 and rank["donors"] == 0, rank
         assert rank["unsupported_options"][0].startswith("--disable-radix-cache"), rank
         text = log.read_text(errors="replace")

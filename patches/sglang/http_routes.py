@@ -83,6 +83,7 @@ def install_snapshot_route() -> bool:
                 "config": configs[0] if configs else None,
             }
 
+        _admin_optional(semblend_snapshot)
         app.add_api_route(SNAPSHOT_PATH, semblend_snapshot, methods=["GET"])
         return True
     except Exception as exc:
@@ -90,6 +91,17 @@ def install_snapshot_route() -> bool:
             "semblend: %s not installed (%s: %s)", SNAPSHOT_PATH, type(exc).__name__, exc
         )
         return False
+
+
+def _admin_optional(endpoint: Any) -> None:
+    """Mark ``endpoint`` with SGLang's ``ADMIN_OPTIONAL`` auth level (as ``/flush_cache``): open
+    when the server has no key, else it needs ``--admin-api-key`` (or ``--api-key`` when only
+    that is set). On an sglang without per-endpoint auth levels the server's own rule applies."""
+    try:
+        from sglang.srt.utils.auth import AuthLevel, auth_level
+    except ImportError:
+        return
+    auth_level(AuthLevel.ADMIN_OPTIONAL)(endpoint)
 
 
 class _RouteOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
