@@ -7,12 +7,24 @@ twice, once as is (reuse possible) and once with a fresh ``cache_salt`` (the col
 prefix cache and the connector's namespaces key on the salt, so nothing cached or donated is
 used; the same engine, so both runs see the same threads and memory).
 
+Before measuring, one throwaway donor/probe pair (its own ``cache_salt``, an essay no group
+uses) runs the connector's load path once: the engine's first load and first prefill after a
+computed prefix can be slower than later ones (a one-time warm-up), and would otherwise land
+on the first group. Its numbers are not reported.
+
 Per probe it records, from vLLM's own counters (``LLM.get_metrics``, the registry ``/metrics``
 exports): the connector-loaded tokens (``vllm:external_prefix_cache_hits``) and the
 connector's outcome and decline reason (``vllm:semblend_requests`` / ``vllm:semblend_declined``);
 from each ``RequestOutput``: TTFT (``metrics.first_token_latency``) and the cached-token count.
 Quality: the reuse run's greedy tokens against the cold run's, and, where they differ, the
-teacher-forced perplexity ratio of the two answers under a cold prefill of the probe.
+teacher-forced perplexity ratio of the two answers under a cold prefill of the probe: each
+answer's mean NLL comes from a ``prompt_logprobs`` request of ``probe + answer`` with a fresh
+salt; vLLM sets ``skip_reading_prefix_cache`` for such requests, so neither its prefix cache
+nor the connector supplies KV (the bench checks that vLLM reports 0 cached tokens for it).
+Control: the cold run repeated with its own salt, an exact hit of vLLM's prefix cache on the
+probe's own KV (``ttft_exact_ms``, ``exact_equal``): what an exact hit of the whole prefix
+costs and whether the engine's numerics alone (a prefill split at the cache boundary) change
+the greedy answer.
 
 Workloads: ``dropped_header`` is built for vLLM's boundary rule (docs/vllm.md): the donor is
 ``system + header + document``, the probe ``system + document``, the system prompt and header
@@ -52,7 +64,9 @@ SYSTEM = "You are a careful assistant. Answer from the document only, in plain E
 class ProbeResult:
     """One probe: TTFT of the reuse and cold runs (ms), tokens vLLM counted as cached in the
     reuse run and as loaded by the connector, the connector's outcome (and reason), greedy
-    agreement and the teacher-forced PPL ratio (1.0 when the greedy answers are equal)."""
+    agreement, the first answer position where the answers differ (None: equal), the
+    teacher-forced PPL ratio (1.0 when the greedy answers are equal), and the exact-hit
+    control: its TTFT (ms) and whether its greedy answer equals the cold one."""
 
     workload: str
     group: str
@@ -64,12 +78,17 @@ class ProbeResult:
     outcome: str
     reason: str
     greedy_equal: bool
+    first_divergence: int | None
     ppl_ratio: float
+    ttft_exact_ms: float
+    exact_equal: bool
 
 
 @dataclass
 class Summary:
-    """Per workload: probes, materialized probes, declined reasons, TTFT medians, PPL ratios."""
+    """Per workload: probes, materialized probes, declined reasons, TTFT medians (all probes;
+    materialized probes: reuse, cold and the exact-hit control), and on materialized probes the
+    greedy answers equal to cold and the PPL ratios in group order."""
 
     workload: str
     probes: int = 0
@@ -79,6 +98,9 @@ class Summary:
     ttft_cold_p50_ms: float = 0.0
     ttft_reuse_hits_p50_ms: float | None = None
     ttft_cold_hits_p50_ms: float | None = None
+    ttft_exact_hits_p50_ms: float | None = None
+    greedy_equal_on_hits: int = 0
+    ppl_ratios_on_hits: list[float] = field(default_factory=list)
     max_ppl_ratio_on_hits: float | None = None
 
 
@@ -141,6 +163,28 @@ def _dropped_header(tokenizer: Any, essays: Sequence[str], n: int, ctx: int) -> 
     return groups
 
 
+def _warm_up(
+    llm: Any, tokenizer: Any, essays: Sequence[str], answer_tokens: int, ctx: int
+) -> dict[str, float]:
+    """One throwaway donor/probe pair under its own cache_salt (so no measured group can use
+    its KV): the connector's first load and the engine's first prefill after a loaded prefix
+    happen here. Returns the tokens the probe got from the donor and its reuse and cold TTFTs
+    (ms), for the log only."""
+    (group,) = _dropped_header(tokenizer, essays, 1, ctx)
+    salt = f"warmup-{uuid.uuid4().hex}"
+    donor, probe = group.donors[0], group.probes[0]
+    _generate(llm, donor.prompt_ids, salt, 1)
+    before = _metric_values(llm)
+    reuse = _generate(llm, probe.prompt_ids, salt, answer_tokens)
+    after = _metric_values(llm)
+    cold = _generate(llm, probe.prompt_ids, f"warmup-cold-{uuid.uuid4().hex}", answer_tokens)
+    return {
+        "loaded_tokens": sum(_delta(before, after, "vllm:external_prefix_cache_hits").values()),
+        "ttft_reuse_ms": 1000.0 * reuse.metrics.first_token_latency,
+        "ttft_cold_ms": 1000.0 * cold.metrics.first_token_latency,
+    }
+
+
 def _generate(llm: Any, prompt: Sequence[int], salt: str | None, max_tokens: int) -> Any:
     from vllm import SamplingParams
 
@@ -159,6 +203,8 @@ def _nll(llm: Any, prompt: Sequence[int], answer: Sequence[int]) -> float:
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     request = {"prompt_token_ids": tokens, "cache_salt": f"tf-{uuid.uuid4().hex}"}
     (out,) = llm.generate([request], params, use_tqdm=False)
+    if out.num_cached_tokens:  # the scoring prefill must be cold
+        raise RuntimeError(f"scoring request reused {out.num_cached_tokens} cached tokens")
     lp = out.prompt_logprobs
     return -sum(lp[p][tokens[p]].logprob for p in range(len(prompt), len(tokens))) / len(answer)
 
@@ -166,16 +212,22 @@ def _nll(llm: Any, prompt: Sequence[int], answer: Sequence[int]) -> float:
 def run_probe(
     llm: Any, workload: str, group: str, prompt: Sequence[int], answer_tokens: int
 ) -> Any:
-    """Reuse run, then cold run, of one probe; see :class:`ProbeResult`."""
+    """Reuse run, then cold run, then the exact-hit control (the cold run repeated under its
+    salt) of one probe; see :class:`ProbeResult`."""
     before = _metric_values(llm)
     reuse = _generate(llm, prompt, None, answer_tokens)
     after = _metric_values(llm)
-    cold = _generate(llm, prompt, f"cold-{uuid.uuid4().hex}", answer_tokens)
+    salt = f"cold-{uuid.uuid4().hex}"
+    cold = _generate(llm, prompt, salt, answer_tokens)
+    if cold.num_cached_tokens:
+        raise RuntimeError(f"cold run reused {cold.num_cached_tokens} cached tokens")
+    exact = _generate(llm, prompt, salt, answer_tokens)
     outcomes = _delta(before, after, "vllm:semblend_requests")
     reasons = _delta(before, after, "vllm:semblend_declined")
     loaded = sum(_delta(before, after, "vllm:external_prefix_cache_hits").values())
     a, b = list(reuse.outputs[0].token_ids), list(cold.outputs[0].token_ids)
     ratio = 1.0 if a == b else math.exp(_nll(llm, prompt, a) - _nll(llm, prompt, b))
+    diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
     return ProbeResult(
         workload=workload,
         group=group,
@@ -187,7 +239,10 @@ def run_probe(
         outcome=",".join(sorted(outcomes)) or "none",
         reason=",".join(sorted(reasons)),
         greedy_equal=a == b,
+        first_divergence=diverge,
         ppl_ratio=ratio,
+        ttft_exact_ms=1000.0 * exact.metrics.first_token_latency,
+        exact_equal=list(exact.outputs[0].token_ids) == b,
     )
 
 
@@ -205,6 +260,9 @@ def summarize(workload: str, results: Sequence[ProbeResult]) -> Summary:
     if hits:
         s.ttft_reuse_hits_p50_ms = _median([r.ttft_reuse_ms for r in hits])
         s.ttft_cold_hits_p50_ms = _median([r.ttft_cold_ms for r in hits])
+        s.ttft_exact_hits_p50_ms = _median([r.ttft_exact_ms for r in hits])
+        s.greedy_equal_on_hits = sum(r.greedy_equal for r in hits)
+        s.ppl_ratios_on_hits = [r.ppl_ratio for r in hits]
         s.max_ppl_ratio_on_hits = max(r.ppl_ratio for r in hits)
     return s
 
@@ -269,6 +327,8 @@ def command(
         kv_transfer_config=kv,
     )
     click.echo(f"engine start {time.monotonic() - started:.1f} s", err=True)
+    warm = _warm_up(llm, tokenizer, essays[:20], answer_tokens, context_tokens)
+    click.echo(f"warm-up pair (not reported): {json.dumps(warm)}", err=True)
     report: dict[str, Any] = {"model": str(model_dir), "context_tokens": context_tokens}
     results: list[ProbeResult] = []
     for name in [w.strip() for w in workloads.split(",") if w.strip()]:
@@ -291,8 +351,10 @@ def command(
     report["probes"] = [asdict(r) for r in results]
     for s in summaries:
         hits = (
-            f"reuse p50 {s.ttft_reuse_hits_p50_ms:.0f} ms vs cold {s.ttft_cold_hits_p50_ms:.0f} ms,"
-            f" max PPL ratio {s.max_ppl_ratio_on_hits:.4f}"
+            f"TTFT p50 reuse {s.ttft_reuse_hits_p50_ms:.0f} ms, cold {s.ttft_cold_hits_p50_ms:.0f}"
+            f" ms, exact hit {s.ttft_exact_hits_p50_ms:.0f} ms; greedy = cold"
+            f" {s.greedy_equal_on_hits}/{s.materialized}; PPL ratios"
+            f" {' '.join(f'{x:.4f}' for x in s.ppl_ratios_on_hits)}"
             if s.ttft_reuse_hits_p50_ms is not None
             else "no hit"
         )
