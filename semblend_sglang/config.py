@@ -263,6 +263,15 @@ FIELDS: tuple[FieldSpec, ...] = (
         minimum=1024 * 1024,
     ),
     FieldSpec(
+        "dispatch_chunk_avg_tokens",
+        int,
+        64,
+        "Average content-defined chunk length (power of two) of the dispatcher's index; "
+        "coarser than the provider's: a rank needs evidence, not alignment.",
+        minimum=8,
+        maximum=4096,
+    ),
+    FieldSpec(
         "dispatch_expire_ratio",
         float,
         1.0,
@@ -410,6 +419,7 @@ class Config:
     dispatch_enabled: bool = True
     dispatch_load_margin: int = 8192
     dispatch_index_bytes: int = 64 * 1024 * 1024
+    dispatch_chunk_avg_tokens: int = 64
     dispatch_expire_ratio: float = 1.0
     unknown_keys: tuple[str, ...] = field(default=(), compare=False)
     """SEMBLEND_* env vars and JSON keys that name no field (reported, not applied)."""
@@ -421,6 +431,10 @@ class Config:
                 parse_value(spec, getattr(self, f.name), f.name)
         if self.chunk_avg_tokens & (self.chunk_avg_tokens - 1):
             raise ConfigError("chunk_avg_tokens", self.chunk_avg_tokens, "a power of two >= 8")
+        if self.dispatch_chunk_avg_tokens & (self.dispatch_chunk_avg_tokens - 1):
+            raise ConfigError(
+                "dispatch_chunk_avg_tokens", self.dispatch_chunk_avg_tokens, "a power of two >= 8"
+            )
         if self.mode == "substitute" and self.exact_materialization_only:
             raise ConfigError(
                 "mode",

@@ -43,7 +43,12 @@ _EMBED_CACHE_SIZE = 1024
 
 def chunk_params_for(config: Config) -> ChunkParams:
     """Content-defined chunking parameters derived from ``config.chunk_avg_tokens``."""
-    avg = config.chunk_avg_tokens
+    return chunk_params_for_avg(config.chunk_avg_tokens)
+
+
+def chunk_params_for_avg(avg: int) -> ChunkParams:
+    """The chunking the provider uses at average chunk length ``avg`` (a power of two): window
+    8, chunks of ``max(8, avg // 4)`` to ``4 * avg`` tokens."""
     return ChunkParams(window=8, avg=avg, min_size=max(8, avg // 4), max_size=avg * 4)
 
 

@@ -88,6 +88,32 @@ def server_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def dp_size_of(args: Sequence[str]) -> int:
+    """The ``--dp-size`` (alias ``--data-parallel-size``) among sglang flags ``args``; 1 if
+    absent. Accepts ``--dp-size N`` and ``--dp-size=N``; raises ValueError for a non-integer."""
+    names = ("--dp-size", "--data-parallel-size")
+    for i, arg in enumerate(args):
+        name, sep, value = arg.partition("=")
+        if name in names:
+            return int(value if sep else args[i + 1])
+    return 1
+
+
+def cpu_dp_environ(args: Sequence[str], cpu: bool | None = None) -> dict[str, str]:
+    """Variables a CPU server started with ``args`` needs for data parallelism: with
+    ``--dp-size N`` (N >= 2) and no CUDA, ``SGLANG_CPU_OMP_THREADS_BIND`` giving rank ``i``
+    core ``i`` modulo this machine's cores (``"0|1"`` for 2 ranks): without it every rank binds
+    all cores and the ranks contend. Empty otherwise, and when the variable is already set in
+    this process's environment (the caller's choice wins). ``cpu=None``: no CUDA."""
+    n = dp_size_of(args)
+    if cpu is None:
+        cpu = not cuda_available()
+    if n < 2 or not cpu or "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = os.cpu_count() or 1
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(n))}
+
+
 def http_json(url: str, payload: Any | None = None, timeout: float = 600.0) -> Any:
     """GET (payload None) or POST JSON to ``url`` and decode the JSON answer."""
     data = None if payload is None else json.dumps(payload).encode()

@@ -11,15 +11,23 @@ import click
 import pytest
 
 from semblend_sglang.bench.e2e import (
+    DEFAULT_SYSTEMS,
     SCHEMA_VERSION,
+    SERVER_ENV,
+    SGLANG_DISPATCH,
+    SYSTEMS,
     ProbeRecord,
     _hook_ms_delta,
     _outcome_delta,
     _parse_urls,
     console_table,
     parse_semblend_env,
+    requests_per_group,
     summarize,
 )
+from semblend_sglang.bench.workloads import BenchRequest, RequestGroup
+from semblend_sglang.config import Config
+from semblend_sglang.server import cpu_dp_environ, dp_size_of
 
 
 def test_outcome_delta_names_the_one_outcome_a_request_added() -> None:
@@ -156,3 +164,44 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
         "exact_same_length",
     }
     assert "cross_instruction" in proc.stdout
+
+
+def test_the_sglang_dispatch_system_is_exact_spans_without_donor_aware_dispatch() -> None:
+    env = SERVER_ENV[SGLANG_DISPATCH]
+    assert Config.from_env(env).dispatch_enabled is False
+    assert Config.from_env(SERVER_ENV["exact_spans"]).dispatch_enabled is True
+    assert {k: v for k, v in env.items() if k != "SEMBLEND_DISPATCH_ENABLED"} == SERVER_ENV[
+        "exact_spans"
+    ]
+    assert SGLANG_DISPATCH in SYSTEMS and SGLANG_DISPATCH not in DEFAULT_SYSTEMS  # --systems only
+    assert _parse_urls([f"{SGLANG_DISPATCH}=http://h:3"]) == {SGLANG_DISPATCH: "http://h:3"}
+    group = RequestGroup(
+        "g0", (BenchRequest((1, 2), "donor"), BenchRequest((1, 3), "probe")), shared_spans=()
+    )
+    # donors and probes are sent to it like to exact_spans
+    assert requests_per_group(group, ["exact_spans", SGLANG_DISPATCH]) == 4
+
+
+def test_summary_puts_both_dispatches_side_by_side() -> None:
+    records = [
+        _rec("vanilla", "cold", 4.0, [1, 2]),
+        _rec("exact_spans", "semantic", 1.0, [1, 2], outcome="materialized", reused_tokens=400),
+        _rec(SGLANG_DISPATCH, "semantic", 3.9, [1, 2], outcome="declined:no_donor"),
+    ]
+    (row,) = summarize(records)
+    assert row["exact_spans_hit_rate"] == 1.0 and row[f"{SGLANG_DISPATCH}_hit_rate"] == 0.0
+    assert row[f"{SGLANG_DISPATCH}_ms_p50"] == pytest.approx(3900.0)
+    assert row[f"{SGLANG_DISPATCH}_reused_fraction"] == 0.0
+    table = console_table([row])
+    assert "sgl-dp hit%" in table and "3900" in table
+
+
+def test_started_dp_servers_on_cpu_bind_one_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    assert dp_size_of(["--dp-size", "2"]) == 2 and dp_size_of(["--dp-size=4"]) == 4
+    assert dp_size_of(["--data-parallel-size", "3"]) == 3 and dp_size_of(["--tp", "2"]) == 1
+    assert cpu_dp_environ(["--dp-size", "2"], cpu=True) == {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    assert cpu_dp_environ(["--dp-size", "2"], cpu=False) == {}  # GPUs: SGLang's own placement
+    assert cpu_dp_environ([], cpu=True) == {}
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|0")
+    assert cpu_dp_environ(["--dp-size", "2"], cpu=True) == {}  # the caller's binding wins

@@ -145,6 +145,8 @@ def test_json_type_errors() -> None:
         Config.from_json({"embedder": "minilm", "embedder_type": "jaccard"})
     with pytest.raises(ConfigError, match="chunk_avg_tokens"):
         Config.from_json({"chunk_avg_tokens": 100})
+    with pytest.raises(ConfigError, match="dispatch_chunk_avg_tokens"):
+        Config.from_json({"dispatch_chunk_avg_tokens": 48})
     with pytest.raises(ConfigError, match="--semblend-no-such-flag"):
         Config.from_sources(cli={"--semblend-no-such-flag": "1"})
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from semblend_sglang.config import Config
-from semblend_sglang.dispatch import FIXED_BYTES, DonorRouter, Reason
+from semblend_sglang.dispatch import FIXED_BYTES, MAX_POSTINGS_PER_KEY, DonorRouter, Reason
 from semblend_sglang.namespace import Namespace
 
 NS = Namespace(model="m", tokenizer_fingerprint="t")
@@ -169,3 +169,25 @@ def test_bad_input_raises_for_the_hook_to_fail_open() -> None:
     with pytest.raises(ValueError):
         DonorRouter(CONFIG, 0)
     assert FIXED_BYTES < Config().dispatch_index_bytes
+
+
+def test_a_chunk_shared_by_many_requests_points_to_the_newest_only() -> None:
+    router = DonorRouter(CONFIG, 4)
+    common = _doc(20, 400)  # a system prompt every request starts with
+    for i in range(3 * MAX_POSTINGS_PER_KEY):
+        router.record(NS, np.concatenate((common, _doc(500 + i, 600))), i % 4)
+    newest = 3 * MAX_POSTINGS_PER_KEY - 1
+    route = router.choose(NS, np.concatenate((common, _doc(999, 300))), [0, 0, 0, 0])
+    assert route.rank == newest % 4  # ties on the common chunks: the newest request wins
+    # one of the oldest requests, no longer posted under the common chunks, is still found by
+    # its own content
+    assert router.choose(NS, np.concatenate((common, _doc(501, 600))), [0, 0, 0, 0]).rank == 1
+
+
+def test_the_router_chunks_coarser_than_the_provider_by_config() -> None:
+    doc = _doc(21)
+    for avg in (16, 64):
+        router = DonorRouter(replace(CONFIG, dispatch_chunk_avg_tokens=avg), 2)
+        assert router.params.avg == avg
+        router.record(NS, doc, 1)
+        assert router.choose(NS, _with_head(5, doc), [0, 0]).rank == 1

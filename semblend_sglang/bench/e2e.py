@@ -1,7 +1,12 @@
 """The main bench job ``e2e``: every workload against vanilla SGLang and SGLang with semblend.
 
 Systems (one real SGLang server each, started side by side unless ``--url`` names running ones):
-``vanilla`` (SEMBLEND_ENABLED=0), ``exact_spans`` and ``substitute`` (semblend in that mode).
+``vanilla`` (SEMBLEND_ENABLED=0), ``exact_spans`` and ``substitute`` (semblend in that mode);
+chosen with ``--systems`` only, ``exact_spans_sglang_dispatch``: exact_spans with donor-aware
+data-parallel dispatch off (SEMBLEND_DISPATCH_ENABLED=0), so that with
+``--server-arg=--dp-size --server-arg=N`` SGLang's own ``--load-balance-method`` places every
+request; beside ``exact_spans`` it shows what donor-aware dispatch adds. Started servers with
+``--dp-size N`` on CPU get ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank).
 For each workload, context length and group, after ``/flush_cache`` on every server:
 
 - vanilla: the donors, then the probe (``prefix``: what SGLang's exact prefix cache gives it);
@@ -43,8 +48,11 @@ from .metrics import (
 from .ttft import semblend_snapshot
 from .workloads import BUILTIN_WORKLOADS, BenchRequest, RequestGroup, Workload
 
-SYSTEMS = ("vanilla", "exact_spans", "substitute")
-SEMBLEND_SYSTEMS = ("exact_spans", "substitute")
+SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
+SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH)
+DEFAULT_SYSTEMS = ("vanilla", "exact_spans", "substitute")
+"""Without ``--systems``: SGLANG_DISPATCH differs from exact_spans only with ``--dp-size``."""
+SEMBLEND_SYSTEMS = ("exact_spans", "substitute", SGLANG_DISPATCH)
 QUICK_SYSTEMS = ("vanilla", "exact_spans")
 """``--quick`` leaves out the opt-in, output-changing substitute mode (one server fewer)."""
 SERVER_ENV: dict[str, dict[str, str]] = {
@@ -54,6 +62,11 @@ SERVER_ENV: dict[str, dict[str, str]] = {
         "SEMBLEND_ENABLED": "1",
         "SEMBLEND_MODE": "substitute",
         "SEMBLEND_EXACT_MATERIALIZATION_ONLY": "0",
+    },
+    SGLANG_DISPATCH: {
+        "SEMBLEND_ENABLED": "1",
+        "SEMBLEND_MODE": "exact_spans",
+        "SEMBLEND_DISPATCH_ENABLED": "0",
     },
 }
 """Environment of each system's server (the rest of the SemBlend settings are defaults)."""
@@ -369,6 +382,7 @@ def summarize(records: Sequence[ProbeRecord]) -> list[dict[str, Any]]:
             ("vanilla", "exact_same_length"),
             ("exact_spans", "semantic"),
             ("substitute", "semantic"),
+            (SGLANG_DISPATCH, "semantic"),
         ):
             ttfts = [1000 * r.ttft_s for r in mine if r.system == system and r.kind == kind]
             name = kind if system == "vanilla" else system
@@ -443,7 +457,7 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
         f"{'workload':18s} {'ctx':>5s} {'cold':>7s} {'prefix':>7s} {'exact':>7s} {'spans':>7s}"
         f" {'subst':>7s} {'sp/ex':>6s} {'hit%':>5s} {'reuse%':>6s} {'ppl':>6s} {'agree':>6s}"
         f" {'rougeL':>6s} {'ex agree':>8s} {'sub hit%':>8s} {'sub agree':>9s} {'miss ovh':>8s}"
-        f" {'hook ovh':>8s}"
+        f" {'hook ovh':>8s} {'sgl-dp':>7s} {'sgl-dp hit%':>11s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -452,6 +466,7 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
         sub_hit = r.get("substitute_hit_rate")
         miss = r.get("exact_spans_miss_overhead")
         hook = r.get("exact_spans_miss_overhead_in_scheduler")
+        dp_hit = r.get(f"{SGLANG_DISPATCH}_hit_rate")
         lines.append(
             f"{r['workload']:18s} {r['context_tokens']:5d} {_fmt(r.get('cold_ms_p50')):>7s}"
             f" {_fmt(r.get('prefix_ms_p50')):>7s} {_fmt(r.get('exact_same_length_ms_p50')):>7s}"
@@ -467,6 +482,8 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
             f" {_fmt(r.get('substitute_greedy_agreement'), '.2f'):>9s}"
             f" {_fmt(None if miss is None else 100 * miss, '+.1f'):>8s}"
             f" {_fmt(None if hook is None else 100 * hook, '.3f'):>8s}"
+            f" {_fmt(r.get(f'{SGLANG_DISPATCH}_ms_p50')):>7s}"
+            f" {_fmt(None if dp_hit is None else 100 * dp_hit):>11s}"
         )
     lines.append(
         "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
@@ -474,7 +491,8 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
         "(exact_spans); ppl: PPL ratio vs cold; agree: first-32-token greedy agreement; "
         "ex agree: the same for the exact hit (noise floor); miss ovh:"
         " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
-        " during a control probe, % of vanilla cold TTFT."
+        " during a control probe, % of vanilla cold TTFT; sgl-dp, sgl-dp hit%: TTFT and"
+        f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch)."
     )
     return "\n".join(lines)
 
@@ -494,6 +512,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ("exact_same_length_ms_p50", "exact hit, same length"),
         ("exact_spans_ms_p50", "semblend exact_spans"),
         ("substitute_ms_p50", "semblend substitute"),
+        (f"{SGLANG_DISPATCH}_ms_p50", "exact_spans, SGLang's DP dispatch"),
     ):
         ys = []
         for n in lengths:
@@ -532,6 +551,12 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _dp_environ(flags: Sequence[str]) -> dict[str, str]:
+    from ..server import cpu_dp_environ
+
+    return cpu_dp_environ(flags)
+
+
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
     """Versions, machine, model and server flags, for the JSON report."""
     from importlib.metadata import PackageNotFoundError, version
@@ -560,6 +585,7 @@ def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClien
         "model": model,
         "server_flags": list(flags),
         "server_env": {s: SERVER_ENV[s] for s in clients},
+        "dp_environ": _dp_environ(flags),
         "urls": {s: c.url for s, c in clients.items()},
     }
 
@@ -574,14 +600,15 @@ def _start_servers(
     logs: Path,
     semblend_env: Mapping[str, str] | None = None,
 ) -> dict:
-    from ..server import free_port, start_server
+    from ..server import cpu_dp_environ, free_port, start_server
 
     servers = {}
     try:
         for system in systems:  # started together: their start-ups overlap
-            env = dict(SERVER_ENV[system])
+            env = cpu_dp_environ(extra)
             if system in SEMBLEND_SYSTEMS:
                 env.update(semblend_env or {})
+            env.update(SERVER_ENV[system])  # a system's own settings win
             servers[system] = start_server(
                 model,
                 port=free_port(),
@@ -667,15 +694,18 @@ def _parse_urls(values: Sequence[str]) -> dict[str, str]:
     "urls",
     multiple=True,
     metavar="SYSTEM=URL",
-    help="Measure running servers instead of starting them (SYSTEM: vanilla, exact_spans, "
-    "substitute; repeat for several). They are flushed between groups unless --no-flush.",
+    help="Measure running servers instead of starting them (SYSTEM: "
+    f"{', '.join(SYSTEMS)}; repeat for several). They are flushed between groups unless "
+    "--no-flush.",
 )
 @click.option("--flush/--no-flush", default=True, help="Flush server caches between groups.")
 @click.option(
     "--systems",
     default=None,
-    help=f"Systems, comma-separated (default {','.join(SYSTEMS)}; "
-    f"with --quick {','.join(QUICK_SYSTEMS)}).",
+    help=f"Systems, comma-separated, of {','.join(SYSTEMS)} (default "
+    f"{','.join(DEFAULT_SYSTEMS)}; with --quick {','.join(QUICK_SYSTEMS)}). "
+    f"{SGLANG_DISPATCH}: exact_spans with SGLang's own data-parallel dispatch, to compare with "
+    "exact_spans under --server-arg=--dp-size.",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--model-path", default=None, help="Model to serve/tokenize (default: SmolLM2).")
@@ -736,7 +766,7 @@ def command(
 
     started = time.monotonic()
     if systems is None:
-        systems = ",".join(QUICK_SYSTEMS if quick else SYSTEMS)
+        systems = ",".join(QUICK_SYSTEMS if quick else DEFAULT_SYSTEMS)
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     bad = [s for s in chosen if s not in SYSTEMS]
     if bad:
