@@ -206,3 +206,22 @@ def test_an_error_in_semblends_part_falls_back_to_sglangs_method(dpc: Any) -> No
     h.hook.router.record = broken  # type: ignore[method-assign]
     assert [h.send(_doc(i)) for i in range(3)] == [0, 1, 0]
     assert h.hook.errors == 6
+
+
+@pytest.mark.usefixtures("installed")
+def test_a_cache_flush_makes_the_controller_forget_every_donor(dpc: Any) -> None:
+    from sglang.srt.managers.io_struct import FlushCacheReqInput
+
+    h = _Harness(dpc, "round_robin", Config())
+    doc = _doc(7)
+    donor_rank = h.send(np.concatenate([_head(1), doc]))
+    assert h.send(np.concatenate([_head(2), doc])) == donor_rank  # routed to its donor
+    sent: list[Any] = []
+    flush = FlushCacheReqInput()
+    h.hook.control(sent.append)(flush)
+    assert sent == [flush] and len(h.hook.router) == 0 and h.hook.stats()["flushes"] == 1
+    # the next probe has no donor left: SGLang's round-robin places it
+    before = dict(h.hook.router.counts)
+    h.send(np.concatenate([_head(3), doc]))
+    after = h.hook.router.counts
+    assert after["no_donor"] == before["no_donor"] + 1 and after["donor"] == before["donor"]

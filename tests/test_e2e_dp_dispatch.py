@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,3 +172,19 @@ def test_the_controller_stays_within_its_byte_bound_without_errors(server: Sglan
     assert all(s["errors"] == 0 for s in stats)
     assert stats[-1]["entries"] >= 5 and stats[-1]["donor"] >= 3
     assert server.alive()
+
+
+def test_a_cache_flush_empties_the_controllers_index(server: SglangServer) -> None:
+    """Runs last: ``/flush_cache`` reaches the ranks through the controller, which forgets
+    every donor it remembered (their KV is gone)."""
+    assert _dispatch_stats(server)[-1]["entries"] > 0
+    with urllib.request.urlopen(
+        urllib.request.Request(server.url + "/flush_cache", data=b"", method="POST"), timeout=120
+    ) as resp:
+        assert resp.status == 200
+    deadline = time.monotonic() + 60
+    while not any(s.get("flushes") for s in _dispatch_stats(server)):
+        assert time.monotonic() < deadline, "the controller logged no flush"
+        time.sleep(0.5)
+    last = [s for s in _dispatch_stats(server) if s.get("flushes")][-1]
+    assert last["entries"] == 0 and last["errors"] == 0

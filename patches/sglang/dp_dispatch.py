@@ -96,6 +96,7 @@ class DonorAwareDispatch:
         self.router = DonorRouter(config, n_ranks, capacity)
         self.errors = 0
         self.dispatched = 0
+        self.flushes = 0
         self._logged: set[str] = set()
         self._sent_to: Any = None
         method = getattr(controller, "load_balance_method", None)
@@ -132,6 +133,24 @@ class DonorAwareDispatch:
             self._fail("record", exc)
         self._maybe_log(route)
 
+    def control(self, fallback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The controller's fallback for control messages (``send_control_message``, which
+        broadcasts them to the ranks), wrapped: a ``FlushCacheReqInput`` first makes the router
+        forget every rank's entries (their KV is about to go), then goes on unchanged."""
+
+        def send_control_message(obj: Any) -> Any:
+            if type(obj).__name__ == "FlushCacheReqInput":
+                try:
+                    for rank in range(self.router.n_ranks):
+                        self.router.forget_rank(rank)
+                    self.flushes += 1
+                    logger.info("semblend dispatch: %s", self.stats())
+                except Exception as exc:
+                    self._fail("flush", exc)
+            return fallback(obj)
+
+        return send_control_message
+
     def _maybe_log(self, route: Route | None) -> None:
         """One INFO line of :meth:`stats` when the dispatch count, or the count of this
         request's reason, reaches a power of two, and every ``LOG_EVERY`` dispatches: a few
@@ -147,6 +166,7 @@ class DonorAwareDispatch:
         out = self.router.stats()
         out["dispatched"] = self.dispatched
         out["errors"] = self.errors
+        out["flushes"] = self.flushes
         return out
 
     # ------------------------------------------------------------------ internals
@@ -251,6 +271,10 @@ def install_dp_dispatch(config: Config | None = None) -> bool:
                 hook = DonorAwareDispatch(self, self.dispatching, config, sock_send)
                 self.dispatching = hook
                 setattr(self, DISPATCH_ATTR, hook)
+                dispatcher = getattr(self, "_request_dispatcher", None)
+                fallback = getattr(dispatcher, "_fallback_fn", None)
+                if fallback is not None:  # /flush_cache reaches the ranks through it
+                    dispatcher.add_fallback_fn(hook.control(fallback))
                 logger.info(
                     "semblend: donor-aware dispatch over %d ranks (fallback: %s)",
                     len(self.workers),
