@@ -1,7 +1,7 @@
 """Starts and stops the real SGLang HTTP server as a child process group.
 
 Used by ``semblend-sglang serve`` (``make serve``), the benchmarks and the end-to-end tests. On a
-machine without CUDA the server runs on SGLang's CPU engine with the flags of ARCHITECTURE.md §7
+machine without CUDA the server runs on SGLang's CPU engine with the flags of docs/architecture.md
 and the CPU runtime (:mod:`semblend_sglang.cpu_runtime`) in its environment, so the spawned
 scheduler and detokenizer get it too. Nothing here talks to sglang in-process.
 """

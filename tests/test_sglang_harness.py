@@ -2,7 +2,7 @@
 
 Vanilla sglang must keep every invariant over a randomized run of real essay traffic; a
 deliberately wrong integration (a donor's match returned for a request whose tokens differ,
-ARCHITECTURE.md section 5) must make `check_invariants` fail.
+docs/architecture.md, "The hazard") must make `check_invariants` fail.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def test_namespaces_do_not_share_prefixes(
 
 
 class HazardDonorMatch:
-    """THE HAZARD (ARCHITECTURE.md section 5), built on purpose to prove the checker sees it.
+    """THE HAZARD (docs/architecture.md), built on purpose to prove the checker sees it.
 
     Wraps `UnifiedRadixCache.match_prefix` and, when the exact match is shorter than the donor
     path, returns the donor's node and length for a request whose own tokens differ. sglang then

@@ -67,7 +67,7 @@ def test_reference_masks_by_position_not_index():
 
 
 def test_cold_request_runs_is_causal(monkeypatch: pytest.MonkeyPatch):
-    """A cold request runs SDPA with is_causal=True and no mask (ARCHITECTURE §7); an exact hit
+    """A cold request runs SDPA with is_causal=True and no mask (docs/architecture.md); an exact hit
     with few new tokens runs only its queries with a boolean mask."""
     calls: list[tuple[int, bool, bool]] = []
     real = sparse_extend.scaled_dot_product_attention

@@ -3,7 +3,7 @@
 The legacy counterpart of tests/test_sglang_harness.py: vanilla sglang must keep every invariant
 over a randomized run of real essay traffic (eviction, chunked prefill, aborts, three namespaces);
 a deliberately wrong integration (a donor's match returned for a request whose tokens differ,
-ARCHITECTURE.md section 5) must make `check_invariants` fail. Skipped unless the installed
+docs/architecture.md, "The hazard") must make `check_invariants` fail. Skipped unless the installed
 sglang is a legacy version (`make test-legacy`).
 """
 
@@ -155,7 +155,7 @@ def test_namespaces_do_not_share_prefixes(
 
 
 class HazardDonorMatch:
-    """THE HAZARD (ARCHITECTURE.md section 5) on the legacy tree, built on purpose to prove the
+    """THE HAZARD (docs/architecture.md) on the legacy tree, built on purpose to prove the
     checker sees it: when the exact match is shorter than the donor path, `match_prefix` returns
     the donor's node and slots for a request whose own tokens differ. sglang then writes the
     donor's slots into the request's row and `cache_unfinished_req` / `cache_finished_req`

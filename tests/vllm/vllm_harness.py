@@ -56,7 +56,7 @@ EOS = 2
 
 
 class InvariantViolation(AssertionError):
-    """A safety rule of ARCHITECTURE.md §4 is broken in the vLLM state."""
+    """A safety rule of docs/architecture.md is broken in the vLLM state."""
 
 
 @dataclass
