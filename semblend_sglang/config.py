@@ -153,6 +153,13 @@ FIELDS: tuple[FieldSpec, ...] = (
         maximum=64,
     ),
     FieldSpec(
+        "keep_reused_donors",
+        bool,
+        True,
+        "Keep the unpublished prompt KV of a request that reused KV as donor KV outside SGLang's "
+        "tree (evicted before the tree) instead of freeing it (SGLang 0.5.21+).",
+    ),
+    FieldSpec(
         "exact_materialization_only",
         bool,
         True,
@@ -403,6 +410,7 @@ class Config:
     fuzzy_threshold: float = 0.85
     strict_prefix_boundary: bool = False
     max_plan_donors: int = 8
+    keep_reused_donors: bool = True
     exact_materialization_only: bool = True
     min_prompt_tokens: int = 256
     exact_sufficient_ratio: float = 0.90

@@ -95,23 +95,33 @@ class SemanticProvider:
             self._embedder = self._guard("embedder", lambda: load_embedder(config.embedder))
 
     # ------------------------------------------------------------------ donors
-    def register(self, namespace: Namespace, handle: Hashable, token_ids: Sequence[int]) -> None:
+    def register(
+        self, namespace: Namespace, handle: Hashable, token_ids: Sequence[int]
+    ) -> list[Hashable]:
         """Make ``token_ids`` (whose KV the engine holds under ``handle``) a donor in ``namespace``.
 
         Re-registering a handle replaces it. Donors shorter than ``min_span_tokens`` are not kept.
-        May evict the least recently used donors. Never raises."""
+        May evict the least recently used donors: returns their handles (the engine may drop
+        what it keeps for them). Never raises."""
 
-        def work() -> None:
+        def work() -> list[Hashable]:
             if not self.config.enabled:
-                return
+                return []
             tokens = as_token_array(token_ids)
             if tokens.size < self.config.min_span_tokens:
-                return
-            for gone in self.index.register(namespace, handle, tokens):
+                return []
+            evicted = self.index.register(namespace, handle, tokens)
+            for gone in evicted:
                 self._embed_cache.pop(gone, None)
             self.telemetry.set_donors(len(self.index))
+            return evicted
 
-        self._guard("register", work)
+        dropped: list[Hashable] | None = self._guard("register", work)
+        return dropped or []
+
+    def has_donor(self, handle: Hashable) -> bool:
+        """True while ``handle`` is a registered donor."""
+        return handle in self.index
 
     def forget(self, handle: Hashable) -> None:
         """Drop donor ``handle`` (its KV is gone). Unknown handles are ignored. Never raises."""

@@ -588,6 +588,14 @@ def _free_pages(h: SglangCacheHarness) -> torch.Tensor:
     return pages.to(torch.int64) if pages is not None else torch.empty(0, dtype=torch.int64)
 
 
+def _held_slots(h: SglangCacheHarness) -> list[int]:
+    """Slots the adapter's held-donor store owns on this cache (empty without one)."""
+    from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
+
+    store = getattr(h.cache, HELD_ATTR, None)
+    return [] if store is None else store.all_slots().tolist()
+
+
 def _tree_walk(h: SglangCacheHarness) -> tuple[list[int], list[int], list[int]]:
     walk = h.cache.tree_core.walk_for_kv_canary(False, False)
     return (
@@ -662,7 +670,8 @@ def check_invariants(h: SglangCacheHarness, *, full_kv: bool = False) -> None:
 
     Callers: tests, after every harness step. Reads only: it never matches, locks, evicts or
     touches LRU state. Checks:
-    1. free + tree-owned + request-owned pages == pool pages, pairwise disjoint;
+    1. free + tree-owned + request-owned + held-donor pages == pool pages, pairwise disjoint,
+       and, with no live request, available + evictable == pool (SGLang's idle check);
     2. no duplicate in the allocator free list;
     3. no slot owned by two tree nodes;
     4. no slot both free and owned;
@@ -707,16 +716,31 @@ def check_invariants(h: SglangCacheHarness, *, full_kv: bool = False) -> None:
         if owned & tree_pages:
             raise InvariantViolation(f"{req.rid}: request-owned slots also owned by the tree")
         req_pages |= owned
+    held_list = _held_slots(h)
+    held_pages = {s // ps for s in held_list}
+    if len(held_pages) != len(held_list):
+        raise InvariantViolation("a slot is held twice by the held-donor store")
     for name, owned_set in (("tree", tree_pages), ("request", req_pages)):
+        both = owned_set & held_pages
+        if both:
+            raise InvariantViolation(f"{len(both)} {name}-owned pages are also held donors")
+    for name, owned_set in (("tree", tree_pages), ("request", req_pages), ("held", held_pages)):
         both = owned_set & free_set
         if both:
             raise InvariantViolation(f"{len(both)} {name}-owned pages are also free")
-    total = len(free_set) + len(tree_pages) + len(req_pages)
-    if total != num_pages or (free_set | tree_pages | req_pages) != set(range(1, num_pages + 1)):
+    total = len(free_set) + len(tree_pages) + len(req_pages) + len(held_pages)
+    owned_all = free_set | tree_pages | req_pages | held_pages
+    if total != num_pages or owned_all != set(range(1, num_pages + 1)):
         raise InvariantViolation(
             f"free {len(free_set)} + tree {len(tree_pages)} + requests {len(req_pages)} "
-            f"= {total} != pool {num_pages} pages"
+            f"+ held {len(held_pages)} = {total} != pool {num_pages} pages"
         )
+    if not h.live_requests():  # SGLang's idle check: available + evictable == pool
+        accounted = int(h.allocator.available_size()) + int(h.cache.evictable_size())
+        if accounted != h.config.pool_tokens:
+            raise InvariantViolation(
+                f"idle: available + evictable = {accounted} != pool {h.config.pool_tokens}"
+            )
 
     h.checks_run += 1
     _check_tree_kv(h, tree_slot_set, full_kv or h.checks_run % 20 == 0)

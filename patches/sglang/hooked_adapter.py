@@ -85,15 +85,13 @@ class HookedAdapter(SglangAdapter):
         substitute mode, return None without a lookup."""
         runtime = self.runtime
         rid = req.rid
-        if rid in runtime.requests or rid in runtime.settled or not runtime.active:
+        if runtime.is_tracked(rid) or not runtime.active:
             return None
         if not self.config.enabled or self.config.mode == "substitute" or not eligible(req):
             return None  # substitute mode decides at arrival
         usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
         namespace = namespace_for(req)
-        decision = runtime.provider.lookup(
-            namespace, tokens[:usable], exact_len, rid, page_size=int(cache.page_size)
-        )
+        decision = runtime.lookup(namespace, tokens[:usable], exact_len, rid, int(cache.page_size))
         if decision.kind != "plan" or decision.plan is None:
             return None
         state = runtime.start(rid, namespace, decision.plan)

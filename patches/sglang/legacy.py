@@ -166,7 +166,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
 
         def cache_unfinished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             rid = getattr(req, "rid", None)
-            state = runtime.requests.get(rid)
+            state = runtime.state_of(rid)
             if (
                 state is not None
                 and state.state is ReuseState.MATERIALIZED
@@ -185,7 +185,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 orig_finished(self, req, *args, **kwargs)
                 return
             rid = getattr(req, "rid", None)
-            state = runtime.requests.get(rid)
+            state = runtime.state_of(rid)
             materialized = state is not None and state.state is ReuseState.MATERIALIZED
             is_insert = kwargs.get("is_insert", args[0] if args else True)
             published = bool(is_insert) and not getattr(self, "disable_finished_insert", False)
@@ -281,7 +281,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
     def _cut_admission(
         self, adder: Any, req: Any, result: Any, has_chunked: bool, add_req_result: Any
     ) -> Any:
-        state = self.runtime.requests.get(req.rid)
+        state = self.runtime.state_of(req.rid)
         if state is None or state.state is not ReuseState.PLANNED:
             return result
         if not adder.can_run_list or adder.can_run_list[-1] is not req:
@@ -305,7 +305,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         return add_req_result.OTHER
 
     def _cut_continuation(self, adder: Any, req: Any, out: Any) -> Any:
-        state = self.runtime.requests.get(req.rid)
+        state = self.runtime.state_of(req.rid)
         if state is None or state.state is not ReuseState.HEAD:
             return out
         start = len(req.prefix_indices)
@@ -318,7 +318,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
     # ----------------------------------------------------------------- 3. materialize
     def _after_unfinished(self, cache: Any, req: Any) -> None:
         runtime = self.runtime
-        state = runtime.requests.get(req.rid)
+        state = runtime.state_of(req.rid)
         end = int(req.extend_range.end)
         if state is not None and state.state is ReuseState.HEAD and end == state.boundary:
             if (
@@ -360,7 +360,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         donor = runtime.donor_tokens(plan.donor_handle)
         donor_end = state.donor_start + state.reused_tokens
         if donor is None or len(donor) < donor_end:
-            runtime.provider.forget(plan.donor_handle)
+            runtime.forget_donor(plan.donor_handle)
             runtime.decline(rid, Reason.DONOR_EVICTED)
             return
         ns = state.namespace
@@ -373,7 +373,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 # SGLang's own load-back (an exact hit on it) brings it to the device.
                 runtime.decline(rid, Reason.DONOR_ON_HOST)
                 return
-            runtime.provider.forget(plan.donor_handle)
+            runtime.forget_donor(plan.donor_handle)
             runtime.decline(rid, Reason.DONOR_EVICTED)
             return
         spec = self.rope_spec()

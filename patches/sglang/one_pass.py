@@ -35,6 +35,16 @@ SPARSE_ATTR = "_semblend_sparse_positions"
 """ScheduleBatch attribute: {rid: computed positions (CPU int64)} of its sparse requests."""
 
 
+@dataclass(frozen=True)
+class DonorSlots:
+    """Where a donor's KV is: ``path[i]`` is the slot of donor position ``i`` (int64; -1 where
+    the donor's KV is not on the device), ``node`` the tree node to lock for the copy (None when
+    no position is in the tree)."""
+
+    path: torch.Tensor
+    node: Any = None
+
+
 @dataclass
 class _RequestLoad:
     """One request's share of a batch's copy."""
@@ -58,9 +68,11 @@ def load_batch_spans(
     spec: Any,
 ) -> None:
     """Copy the reused spans of ``batch`` (after ``prepare_for_extend``) and make its extend
-    sparse. ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, match)`` like the
-    adapter's donor match. Requests are declined or completed through ``runtime``. Raises only
-    before anything in the batch was changed (the caller turns it into a cold fallback)."""
+    sparse. ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, None)`` when the
+    donor's KV is gone, else ``(None, DonorSlots)`` covering its positions [0, donor_end); a
+    span with a position not on the device is computed instead. Requests are declined or
+    completed through ``runtime``. Raises only before anything in the batch was changed (the
+    caller turns it into a cold fallback)."""
     loads = _collect(runtime, batch)
     if not loads:
         return
@@ -78,15 +90,17 @@ def load_batch_spans(
             for donor, spans in by_donor.items():
                 donor_end = max(s.donor_end for s in spans)
                 reason, found = match_donor(cache, load.state, donor, donor_end)
-                if reason is not None:
-                    load.missed = load.missed or reason
+                if reason is not None or found is None:
+                    load.missed = load.missed or reason or Reason.DONOR_EVICTED
                     continue  # these spans are computed instead
-                receipts.append(cache.lock(found.last_device_node))
-                path = cache.tree_core.collect_full_device_indices(
-                    found.last_device_node, cache.root_node_handle(load.state.namespace.extra_key)
-                )
+                if found.node is not None:
+                    receipts.append(cache.lock(found.node))
                 for s in spans:
-                    src_parts.append(path[s.donor_start : s.donor_end].to(torch.int64))
+                    src = found.path[s.donor_start : s.donor_end].to(torch.int64)
+                    if int(src.numel()) != s.length or bool((src < 0).any()):
+                        load.missed = load.missed or Reason.DONOR_EVICTED
+                        continue  # part of this span's donor KV left the device
+                    src_parts.append(src)
                     dst_parts.append(row[s.target_start : s.target_end].to(torch.int64))
                     delta_parts.append(torch.full((s.length,), s.delta, dtype=torch.int64))
                     load.copied.append((s, donor))
@@ -103,7 +117,7 @@ def load_batch_spans(
 def _collect(runtime: SemblendRuntime, batch: Any) -> list[_RequestLoad]:
     loads: list[_RequestLoad] = []
     for i, req in enumerate(batch.reqs):
-        state = runtime.requests.get(req.rid)
+        state = runtime.state_of(req.rid)
         if state is None or not state.open:
             continue
         lo, hi = int(batch.prefix_lens[i]), int(req.extend_end)

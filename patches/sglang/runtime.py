@@ -6,6 +6,7 @@ calls, decide the same). It imports no sglang module; the adapter passes sglang 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import json
@@ -167,6 +168,21 @@ class RequestReuse:
             raise RuntimeError(f"reuse of {self.rid}: {self.state.value} is not one of {allowed}")
 
 
+@dataclass
+class HeldDonorCounts:
+    """Counters of the held-donor store (process lifetime; ``tokens`` is the current size).
+
+    ``kept``: finished requests whose unpublished prompt KV was kept; ``matched``: donor matches
+    that used held slots; ``evicted``: entries freed for memory; ``dropped``: entries freed
+    because their donor was dropped or the cache was reset."""
+
+    kept: int = 0
+    matched: int = 0
+    evicted: int = 0
+    dropped: int = 0
+    tokens: int = 0
+
+
 class SemblendRuntime:
     """Holds the provider and the per-request reuse state for one scheduler process.
 
@@ -182,13 +198,16 @@ class SemblendRuntime:
         self.requests: dict[str, RequestReuse] = {}
         self.settled: set[str] = set()
         """Requests whose plan was declined or failed: not planned again until released."""
-        self.registered: set[str] = set()
+        self._donor_handles: dict[str, Hashable] = {}
+        """Live requests registered as donors, with their donor handles."""
         self._handles = itertools.count()
         self._rope_spec: RopeSpec | None = None
         self._rope_error: str | None = None
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._tokenizer: Any = None
+        self.held = HeldDonorCounts()
+        """What the adapter's held-donor store did (``held_donors`` in :meth:`snapshot`)."""
         self.refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
 
@@ -211,21 +230,74 @@ class SemblendRuntime:
         """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named)."""
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
+        snap["held_donors"] = dataclasses.asdict(self.held)
         return snap
 
     # ----------------------------------------------------------------- donors
-    def register_donor(self, namespace: Namespace, rid: str, tokens: Any) -> None:
-        """Index a request's published prompt tokens as a donor (once per request)."""
-        if rid in self.registered:
-            return
-        self.registered.add(rid)
-        handle: Hashable = next(self._handles)
-        self.provider.register(namespace, handle, tokens)
+    def register_donor(
+        self, namespace: Namespace, rid: str, tokens: Any, *, extend: bool = False
+    ) -> list[Hashable]:
+        """Index a request's prompt tokens whose KV the engine holds as a donor: once per request,
+        or, with ``extend``, replacing the tokens an earlier call registered for ``rid`` (its
+        handle is kept). Returns the donors the index dropped to stay within its bound (the
+        caller frees what it keeps for them)."""
+        handle = self._donor_handles.get(rid)
+        if handle is not None and not extend:
+            return []
+        if handle is None:
+            handle = next(self._handles)
+            self._donor_handles[rid] = handle
+        return self.provider.register(namespace, handle, tokens)
+
+    def donor_handle(self, rid: str) -> Hashable | None:
+        """The donor handle of live request ``rid``, or None when it is not a donor."""
+        return self._donor_handles.get(rid)
+
+    def is_donor(self, handle: Hashable) -> bool:
+        """True while ``handle`` is a registered donor."""
+        return self.provider.has_donor(handle)
+
+    def forget_donor(self, handle: Hashable) -> None:
+        """Drop donor ``handle``: its KV is gone."""
+        self.provider.forget(handle)
 
     def forget_all_donors(self) -> None:
         """Drop every donor (the engine's cache was reset, so none of their KV exists)."""
         for handle in self.provider.index.handles():
             self.provider.forget(handle)
+
+    def is_tracked(self, rid: str) -> bool:
+        """True while ``rid`` has a plan in this runtime or its plan was settled (declined,
+        failed or decided at arrival): it is not looked up again until released."""
+        return rid in self.requests or rid in self.settled
+
+    def state_of(self, rid: str | None) -> RequestReuse | None:
+        """The reuse state of ``rid``, or None when it has no plan."""
+        return None if rid is None else self.requests.get(rid)
+
+    @property
+    def has_plans(self) -> bool:
+        """True while any request has a plan in this runtime."""
+        return bool(self.requests)
+
+    def lookup(
+        self, namespace: Namespace, tokens: Any, exact_len: int, rid: str, page_size: int
+    ) -> Any:
+        """The provider's decision for request ``rid`` (:meth:`SemanticProvider.lookup`)."""
+        return self.provider.lookup(namespace, tokens, exact_len, rid, page_size=page_size)
+
+    def settle(self, rid: str) -> None:
+        """``rid`` was decided outside the match hooks (substitute mode at arrival): they leave it
+        alone until it is released."""
+        self.settled.add(rid)
+
+    def settle_declined(self, rid: str, reason: str) -> None:
+        """A request decided at arrival (:meth:`settle`) does not use its plan: ``reason``."""
+        self.provider.record_declined(rid, reason)
+
+    def settle_materialized(self, rid: str, tokens: int) -> None:
+        """A request decided at arrival (:meth:`settle`) is served ``tokens`` reused tokens."""
+        self.provider.record_materialized(rid, tokens)
 
     def donor_tokens(self, handle: Hashable) -> Any:
         """The donor's tokens as the index keeps them, or None when it was dropped."""
@@ -327,7 +399,7 @@ class SemblendRuntime:
         self._stop_after_reuse(rid)
         self.requests.pop(rid, None)
         self.settled.discard(rid)
-        self.registered.discard(rid)
+        self._donor_handles.pop(rid, None)
         self.provider.release(rid)
 
     # ----------------------------------------------------------------- model

@@ -54,42 +54,40 @@ def substitute_request(
     the match hooks leave it alone. May raise; the caller's hook turns that into a cold fallback.
     """
     rid = req.rid
-    if not runtime.config.enabled or not eligible(req) or rid in runtime.settled:
+    if not runtime.config.enabled or not eligible(req) or runtime.is_tracked(rid):
         return
     tokens = req.origin_input_ids
     namespace = namespace_for(req)
     exact_len = cached_len(tokens, namespace)
-    decision = runtime.provider.lookup(
-        namespace, tokens, exact_len, rid, page_size=int(cache.page_size)
-    )
+    decision = runtime.lookup(namespace, tokens, exact_len, rid, int(cache.page_size))
     if decision.kind != "plan" or decision.plan is None:
         return
-    runtime.settled.add(rid)  # decided here; the match hooks leave it alone
+    runtime.settle(rid)  # decided here; the match hooks leave it alone
     plan = decision.plan
     donor = runtime.donor_tokens(plan.donor_handle)
     new_prompt = substituted_prompt(tokens, donor, plan)
     if new_prompt is None:
-        runtime.provider.forget(plan.donor_handle)
-        runtime.provider.record_declined(rid, Reason.DONOR_EVICTED)
+        runtime.forget_donor(plan.donor_handle)
+        runtime.settle_declined(rid, Reason.DONOR_EVICTED)
         return
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
     context_len = int(getattr(scheduler.model_config, "context_len", 0) or 0)
     if len(new_prompt) >= int(scheduler.max_req_input_len) or (
         context_len and len(new_prompt) + int(max_new) > context_len
     ):
-        runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
+        runtime.settle_declined(rid, Reason.ENGINE_DECLINED)
         return
     span = plan.spans[0]
     shift = span.donor_start - span.target_start
     logprob_start = int(getattr(req, "logprob_start_len", -1))
     if getattr(req, "return_logprob", False) and 0 <= logprob_start < span.target_start:
         # Input logprobs over the replaced head would score the donor's tokens.
-        runtime.provider.record_declined(rid, Reason.ENGINE_DECLINED)
+        runtime.settle_declined(rid, Reason.ENGINE_DECLINED)
         return
     served = cached_len(new_prompt, namespace)
     if served < span.donor_start + span.length:
-        runtime.provider.forget(plan.donor_handle)  # its KV left the tree
-        runtime.provider.record_declined(rid, Reason.DONOR_EVICTED)
+        runtime.forget_donor(plan.donor_handle)  # its KV left the tree
+        runtime.settle_declined(rid, Reason.DONOR_EVICTED)
         return
     if req.origin_input_ids_unpadded is req.origin_input_ids:
         req.origin_input_ids_unpadded = new_prompt
@@ -97,4 +95,4 @@ def substitute_request(
     req.full_untruncated_fill_ids = new_prompt + req.output_ids
     if logprob_start >= 0:
         req.logprob_start_len = logprob_start + shift  # same tokens, new positions
-    runtime.provider.record_materialized(rid, max(0, served - exact_len))
+    runtime.settle_materialized(rid, max(0, served - exact_len))

@@ -15,7 +15,9 @@ exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- do
    nothing reused, nor anything computed after it, reaches the tree; SGLang's release frees
    those slots, which only this request ever owned.
 5. A request whose prompt is published becomes a donor (the provider keeps its token ids); one
-   that reused KV donates its exact head only, the prompt before its publish cap.
+   that reused KV donates its exact head from the tree and, when it finishes, the rest of its
+   prompt KV from a :class:`~.held_donors.HeldDonorStore` on the cache: slots that SGLang would
+   free at release, kept outside the tree, counted as evictable and evicted before the tree.
 
 substitute (opt-in, output-changing): ``Scheduler._add_request_to_queue`` rewrites an arriving
 request's prompt T to D[:a0] + T[a:] for its plan's first span [a, b) <- donor D [a0, b0), once
@@ -29,13 +31,20 @@ from __future__ import annotations
 
 import logging
 from array import array
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
+from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
 from . import attention, one_pass
+from .held_donors import HELD_ATTR, HeldDonorStore
 from .hooked_adapter import HookedAdapter
+from .one_pass import DonorSlots
+from .request_info import eligible
 from .runtime import RequestReuse
 from .scheduler_hooks import (
     wrap_add_request_to_queue,
@@ -75,10 +84,43 @@ def attention_supported() -> bool:
 _unsupported_logged = False
 
 
+@dataclass(frozen=True)
+class _PendingKeep:
+    """A finished request that reused KV, between its last checkpoint and its row's release:
+    what its held donor entry will be registered as."""
+
+    kv: Any
+    rid: str
+    namespace: Namespace
+    tokens: list[int]
+
+
+def held_store(cache: Any) -> HeldDonorStore:
+    """The :class:`HeldDonorStore` of tree cache ``cache`` (created on first use; it frees into
+    the cache's allocator)."""
+    store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+    if store is None:
+        store = HeldDonorStore(cache.token_to_kv_pool_allocator.free)
+        setattr(cache, HELD_ATTR, store)
+    return store
+
+
+def held_store_tokens(cache: Any) -> int:
+    """Slots held as donor KV outside ``cache``'s tree (0 when it has no store)."""
+    store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+    return 0 if store is None else store.held_tokens
+
+
 class UnifiedRadixCacheAdapter(HookedAdapter):
     """Hooks for sglang 0.5.21+ (``UnifiedRadixCache``; Rust or Python tree core)."""
 
     name = "unified-radix-cache"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._pending_keep: dict[int, _PendingKeep] = {}
+        """Finished requests to keep as held donors, by ``id(req.kv)``, from their last
+        checkpoint to their row's release (``free_kv_row``)."""
 
     @classmethod
     def supports(cls, version: Any) -> bool:
@@ -101,11 +143,17 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
 
         adapter = self
         runtime = self.runtime
+        held_tokens = held_store_tokens
         orig_match = UnifiedRadixCache.match_prefix
         orig_checkpoint = UnifiedRadixCache.checkpoint
         orig_on_release = UnifiedRadixCache.on_release
         orig_reset = UnifiedRadixCache.reset
         orig_finish = UnifiedRadixCache.finish
+        orig_free_kv_row = UnifiedRadixCache.free_kv_row
+        orig_evictable = UnifiedRadixCache.evictable_size
+        orig_full_evictable = UnifiedRadixCache.full_evictable_size
+        orig_evict = UnifiedRadixCache.evict
+        orig_evict_for_alloc = UnifiedRadixCache.evict_for_alloc
         orig_prepare = ScheduleBatch.prepare_for_extend
         orig_init_new = ForwardBatch.init_new  # bound to ForwardBatch (a classmethod)
         orig_internal_state = SchedulerInternalStateController.get_internal_state
@@ -123,16 +171,54 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             return result
 
         def checkpoint(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
-            state = runtime.requests.get(getattr(req, "rid", None))
+            state = runtime.state_of(getattr(req, "rid", None))
             if state is not None and state.reused_any:
                 up_to = min(up_to, state.publish_cap)
             orig_checkpoint(self, req, up_to=up_to, **kwargs)
             rid = getattr(req, "rid", None)
-            runtime.guarded("checkpoint", rid, None, adapter._after_checkpoint, req, up_to)
+            runtime.guarded("checkpoint", rid, None, adapter._after_checkpoint, self, req, up_to)
+
+        def free_kv_row(self: Any, kv: Any, ranges: list[tuple[int, int]]) -> None:
+            pending = adapter._pending_keep.pop(id(kv), None)
+            kept = None
+            if pending is not None and pending.kv is kv:
+                kept = runtime.guarded(
+                    "keep", None, None, adapter._split_kept, self, pending, ranges
+                )
+            if kept is None:
+                orig_free_kv_row(self, kv, ranges)
+                return
+            rest, slots, held_from = kept
+            if rest:
+                orig_free_kv_row(self, kv, rest)
+            runtime.guarded("keep", None, None, adapter._keep, self, pending, slots, held_from)
 
         def on_release(self: Any, req: Any, *, checkpointed: bool) -> None:
             orig_on_release(self, req, checkpointed=checkpointed)
+            adapter._pending_keep.pop(id(getattr(req, "kv", None)), None)
             runtime.guarded("release", None, None, runtime.release, req.rid)
+
+        def evictable_size(self: Any) -> int:
+            return int(orig_evictable(self)) + held_tokens(self)
+
+        def full_evictable_size(self: Any) -> int:
+            return int(orig_full_evictable(self)) + held_tokens(self)
+
+        def evict(self: Any, params: Any) -> Any:
+            freed = runtime.guarded("evict", None, 0, adapter._evict_held, self, params.num_tokens)
+            if freed:
+                params = replace(params, num_tokens=max(0, params.num_tokens - freed))
+            result = orig_evict(self, params)
+            result.num_tokens_evicted += freed
+            return result
+
+        def evict_for_alloc(self: Any, params: Any, **kwargs: Any) -> Any:
+            freed = runtime.guarded("evict", None, 0, adapter._evict_held, self, params.num_tokens)
+            if freed:
+                params = replace(params, num_tokens=max(0, params.num_tokens - freed))
+            result = orig_evict_for_alloc(self, params, **kwargs)
+            result.num_tokens_evicted += freed
+            return result
 
         def finish(self: Any, handle: Any, outcome: Any) -> None:
             orig_finish(self, handle, outcome)
@@ -140,6 +226,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
                 runtime.guarded("abort", None, None, runtime.abort, handle.rid)
 
         def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+            runtime.guarded("reset", None, None, adapter._drop_held, self)
             out = orig_reset(self, *args, **kwargs)
             # /flush_cache and friends: every donor's KV is gone
             runtime.guarded("reset", None, None, runtime.forget_all_donors)
@@ -168,6 +255,11 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (UnifiedRadixCache, "on_release"): on_release,
             (UnifiedRadixCache, "reset"): reset,
             (UnifiedRadixCache, "finish"): finish,
+            (UnifiedRadixCache, "free_kv_row"): free_kv_row,
+            (UnifiedRadixCache, "evictable_size"): evictable_size,
+            (UnifiedRadixCache, "full_evictable_size"): full_evictable_size,
+            (UnifiedRadixCache, "evict"): evict,
+            (UnifiedRadixCache, "evict_for_alloc"): evict_for_alloc,
             (ScheduleBatch, "prepare_for_extend"): prepare_for_extend,
             (ForwardBatch, "init_new"): classmethod(init_new),
             (SchedulerInternalStateController, "get_internal_state"): wrap_get_internal_state(
@@ -224,60 +316,167 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
     def _load(self, batch: Any) -> None:
         """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`)."""
         runtime = self.runtime
-        if not runtime.requests or not any(r.rid in runtime.requests for r in batch.reqs):
+        if not runtime.has_plans or all(runtime.state_of(r.rid) is None for r in batch.reqs):
             return
         spec = self.rope_spec()
         cache = batch.tree_cache
         if spec is None or cache is None:
             for req in batch.reqs:
-                if req.rid in runtime.requests and not runtime.requests[req.rid].reused_any:
+                state = runtime.state_of(req.rid)
+                if state is not None and not state.reused_any:
                     runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
             return
         try:
             one_pass.load_batch_spans(runtime, cache, batch, self._match_donor, spec)
         except Exception as exc:  # the batch is unchanged: its requests compute every position
             for req in batch.reqs:
-                if req.rid in runtime.requests:
+                if runtime.state_of(req.rid) is not None:
                     runtime.fail("load", exc, req.rid)
 
     # ----------------------------------------------------------------- 3. publish
-    def _after_checkpoint(self, req: Any, up_to: int) -> None:
-        state = self.runtime.requests.get(req.rid)
-        if state is not None and state.reused_any:
-            # only its exact head (before the publish cap) is in the tree: a donor of that
-            self._register_donor(req, up_to, cap=state.publish_cap)
+    def _after_checkpoint(self, cache: Any, req: Any, up_to: int) -> None:
+        state = self.runtime.state_of(req.rid)
+        if state is None or not state.reused_any:
+            self._register_donor(req, up_to)
             return
-        self._register_donor(req, up_to)
+        # only its exact head (before the publish cap) is in the tree: a donor of that, and of
+        # the rest of its prompt once it finished and its row is released (free_kv_row)
+        self._register_donor(req, up_to, cap=state.publish_cap)
+        if (
+            self.config.keep_reused_donors
+            and req.finished()
+            and len(req.origin_input_ids) >= self.config.min_prompt_tokens
+            and eligible(req)
+        ):
+            self._pending_keep[id(req.kv)] = _PendingKeep(
+                req.kv, req.rid, state.namespace, list(req.origin_input_ids)
+            )
+
+    # ----------------------------------------------------------------- held donors
+    def _split_kept(
+        self, cache: Any, pending: _PendingKeep, ranges: list[tuple[int, int]]
+    ) -> tuple[list[tuple[int, int]], torch.Tensor, int] | None:
+        """The release of a request marked at its last checkpoint frees ``ranges`` of its row:
+        (what is still to be freed, the prompt slots to keep, their first position), or None to
+        free everything (nothing of the prompt is unpublished, or the row is not the expected
+        one)."""
+        prompt_len = len(pending.tokens)
+        if len(ranges) != 1 or int(cache.page_size) != 1:
+            return None
+        lo, hi = int(ranges[0][0]), int(ranges[0][1])
+        if not lo < prompt_len <= hi:
+            return None
+        row = cache.req_to_token_pool.req_to_token[pending.kv.req_pool_idx]
+        slots = row[lo:prompt_len].to(torch.int64).clone()
+        return ([(prompt_len, hi)] if prompt_len < hi else []), slots, lo
+
+    def _keep(self, cache: Any, pending: _PendingKeep, slots: torch.Tensor, held_from: int) -> None:
+        """Hold ``slots`` (prompt positions from ``held_from`` on, no longer in the request's row)
+        as donor KV of ``pending``'s whole prompt. On any failure before the store owns them the
+        slots are freed."""
+        runtime = self.runtime
+        store = held_store(cache)
+        try:
+            dropped = runtime.register_donor(
+                pending.namespace, pending.rid, pending.tokens, extend=True
+            )
+            handle = runtime.donor_handle(pending.rid)
+            if handle is None or not runtime.is_donor(handle):
+                cache.token_to_kv_pool_allocator.free(slots)
+                return
+        except BaseException:
+            cache.token_to_kv_pool_allocator.free(slots)
+            raise
+        store.keep(handle, held_from, slots)
+        gone = [h for h in dropped if h in store]
+        store.drop_all(gone)
+        runtime.held.kept += 1
+        runtime.held.dropped += len(gone)
+        runtime.held.tokens = store.held_tokens
+
+    def _evict_held(self, cache: Any, num_tokens: int) -> int:
+        """Free held donors before SGLang's tree evicts anything: those whose donor the provider
+        dropped first, then least recently used ones until ``num_tokens`` slots were freed.
+        Returns the slots freed."""
+        store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+        if store is None or not len(store) or num_tokens <= 0:
+            return 0
+        runtime = self.runtime
+        before = store.held_tokens
+        orphans = [h for h in store.handles() if not runtime.is_donor(h)]
+        store.drop_all(orphans)
+        freed = before - store.held_tokens
+        more, gone = store.evict(num_tokens - freed)
+        for handle in gone:
+            runtime.forget_donor(handle)
+        runtime.held.dropped += len(orphans)
+        runtime.held.evicted += len(gone)
+        runtime.held.tokens = store.held_tokens
+        return freed + more
+
+    def _drop_held(self, cache: Any) -> None:
+        """The cache is being reset: free every held donor (the provider forgets them next)."""
+        store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+        if store is not None:
+            self.runtime.held.dropped += len(store.clear())
+            self.runtime.held.tokens = 0
 
     def _match_donor(
         self, cache: Any, state: RequestReuse, handle: Any, donor_end: int
-    ) -> tuple[str | None, Any]:
-        """Match donor ``handle``'s tokens up to ``donor_end`` in the tree: (None, match) when
-        they are on the device; (donor_on_host, match) when HiCache holds the rest in host
-        memory (the donor is kept: it is used again once SGLang's own load-back, an exact hit on
-        it, brings it to the device); (donor_evicted, None) otherwise, and the donor is
-        forgotten."""
+    ) -> tuple[str | None, DonorSlots | None]:
+        """Where donor ``handle``'s KV for its positions [0, donor_end) is (:class:`DonorSlots`):
+        its tokens matched in the tree, and for a held donor its held slots after the tree part.
+        (donor_on_host, None) when HiCache holds the rest in host memory (the donor is kept: it
+        is used again once SGLang's own load-back, an exact hit on it, brings it to the
+        device); (donor_evicted, None) when none of it is left, and the donor is forgotten."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        donor = self.runtime.donor_tokens(handle)
-        if donor is not None and len(donor) >= donor_end:
-            ns = state.namespace
+        runtime = self.runtime
+        donor = runtime.donor_tokens(handle)
+        store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+        held = None if store is None else store.get(handle)
+        if donor is None or len(donor) < donor_end:
+            self._forget(cache, handle)
+            return Reason.DONOR_EVICTED, None
+        tree_end = donor_end if held is None else min(donor_end, held.held_from)
+        ns = state.namespace
+        path = torch.empty(0, dtype=torch.int64)
+        node = None
+        if tree_end > 0:
             key = RadixKey(
-                array("q", donor[:donor_end].tolist()),
+                array("q", donor[:tree_end].tolist()),
                 extra_key=ns.extra_key,
                 cache_salt=ns.cache_salt,
             )
             found = self._donor_match(
                 cache, MatchPrefixParams(key=key), self._original_match(cache)
             )
-            on_device = int(found.device_prefix_len)
-            if on_device >= donor_end:
-                return None, found
-            if on_device + int(getattr(found, "host_hit_length", 0) or 0) >= donor_end:
-                return Reason.DONOR_ON_HOST, found
-        self.runtime.provider.forget(handle)
-        return Reason.DONOR_EVICTED, None
+            on_device = min(int(found.device_prefix_len), tree_end)
+            if held is None and on_device < donor_end:
+                if on_device + int(getattr(found, "host_hit_length", 0) or 0) >= donor_end:
+                    return Reason.DONOR_ON_HOST, None
+                self._forget(cache, handle)
+                return Reason.DONOR_EVICTED, None
+            if on_device > 0:
+                node = found.last_device_node
+                path = cache.tree_core.collect_full_device_indices(
+                    node, cache.root_node_handle(ns.extra_key)
+                )[:on_device].to(torch.int64)
+            if on_device < tree_end:  # a held donor whose head left the tree in part
+                path = torch.cat([path, torch.full((tree_end - on_device,), -1, dtype=torch.int64)])
+        if held is not None and donor_end > held.held_from:
+            path = torch.cat([path, held.slots[: donor_end - held.held_from].cpu()])
+            runtime.held.matched += 1
+        return None, DonorSlots(path, node)
+
+    def _forget(self, cache: Any, handle: Any) -> None:
+        """Donor ``handle``'s KV is gone: forget it, and free what the store held of it."""
+        store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+        if store is not None and store.drop(handle):
+            self.runtime.held.dropped += 1
+            self.runtime.held.tokens = store.held_tokens
+        self.runtime.forget_donor(handle)
 
     @staticmethod
     def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
