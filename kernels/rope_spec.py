@@ -3,7 +3,8 @@
 Only what a model's config states is used; nothing is inferred from a model's name. Static
 scalings (linear, llama3, YaRN) change the inverse frequencies and are supported; anything
 whose rotation is not a fixed function of the position delta (dynamic NTK, multimodal RoPE,
-LongRoPE, per-layer RoPE, ...) is refused with :class:`RopeConfigError` naming the config field.
+LongRoPE, per-layer RoPE or NoPE layers, ...) is refused with :class:`RopeConfigError` naming
+the config field.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class RopeSpec:
         for name, why in _REFUSED_FIELDS.items():
             if _field(config, name) is not None:
                 raise RopeConfigError(f"{name}={_field(config, name)!r}: {why}")
+        _refuse_per_layer_rope(config)
         if _field(config, "alibi"):
             raise RopeConfigError("alibi=True: the model uses ALiBi, not RoPE")
         pos_type = _field(config, "position_embedding_type")
@@ -171,6 +173,33 @@ class RopeSpec:
             beta_slow=float(_first(params.get("beta_slow"), 1.0)),
             extrapolation_factor=float(_first(params.get("extrapolation_factor"), 1.0)),
             truncate=bool(_first(params.get("truncate"), True)),
+        )
+
+
+def _refuse_per_layer_rope(config: Any) -> None:
+    """Raise RopeConfigError when the config states layers whose RoPE differs from the others
+    (one spec is applied to every layer): Gemma-3's local base, NoPE layers (SmolLM3, Llama 4),
+    interleaved layer types (Cohere2, Gemma-3)."""
+    local = _field(config, "rope_local_base_freq")
+    if local is not None:
+        raise RopeConfigError(f"rope_local_base_freq={local!r}: local layers use another RoPE base")
+    no_rope = _field(config, "no_rope_layers")
+    if no_rope is not None and not all(bool(x) for x in no_rope):
+        raise RopeConfigError("no_rope_layers has 0 entries: some layers have no RoPE (NoPE)")
+    for name in ("no_rope_layer_interval", "nope_layer_interval"):
+        interval = _field(config, name)
+        if interval:
+            raise RopeConfigError(f"{name}={interval!r}: every n-th layer has no RoPE (NoPE)")
+    pattern = _field(config, "sliding_window_pattern")
+    if pattern is not None and int(pattern) > 1:
+        raise RopeConfigError(
+            f"sliding_window_pattern={pattern!r}: local and global layers differ in RoPE"
+        )
+    layer_types = _field(config, "layer_types")
+    if layer_types is not None and len(set(layer_types)) > 1:
+        raise RopeConfigError(
+            f"layer_types mixes {', '.join(sorted(set(map(str, layer_types))))}: "
+            "layers of different types differ in RoPE"
         )
 
 

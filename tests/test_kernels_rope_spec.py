@@ -118,6 +118,12 @@ BASE = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "ro
         ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "nested per layer type"),
         ({"alibi": True}, "alibi"),
         ({"position_embedding_type": "absolute"}, "position_embedding_type='absolute'"),
+        ({"rope_local_base_freq": 1e4}, "rope_local_base_freq=10000.0"),
+        ({"no_rope_layers": [1, 1, 0, 1]}, "no_rope_layers"),
+        ({"no_rope_layer_interval": 4}, "no_rope_layer_interval=4"),
+        ({"nope_layer_interval": 4}, "nope_layer_interval=4"),
+        ({"sliding_window_pattern": 4}, "sliding_window_pattern=4"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types mixes"),
         ({"partial_rotary_factor": 0.3}, "must be even"),
         ({"rotary_dim": 16, "partial_rotary_factor": 0.5}, "disagrees"),
     ],
@@ -126,3 +132,30 @@ def test_refused_configs_name_the_field(extra: dict[str, Any], needle: str) -> N
     with pytest.raises(RopeConfigError) as info:
         RopeSpec.from_hf_config({**BASE, **extra})
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "needle"),
+    [
+        ("Gemma3TextConfig", "layer_types mixes"),
+        ("Cohere2Config", "layer_types mixes"),
+        ("SmolLM3Config", "no_rope_layers"),
+        ("Llama4TextConfig", "no_rope_layers"),
+    ],
+)
+def test_models_whose_layers_differ_in_rope_are_refused(config_class: str, needle: str) -> None:
+    """transformers' own configs of models with per-layer RoPE or NoPE layers: one spec for
+    every layer would rotate some layers' keys wrongly."""
+    import transformers
+
+    with pytest.raises(RopeConfigError) as info:
+        RopeSpec.from_hf_config(getattr(transformers, config_class)())
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("config_class", ["LlamaConfig", "Qwen2Config", "MistralConfig"])
+def test_models_with_one_rope_for_every_layer_are_accepted(config_class: str) -> None:
+    import transformers
+
+    spec = RopeSpec.from_hf_config(getattr(transformers, config_class)())
+    assert spec.rotary_dim > 0

@@ -113,3 +113,50 @@ def test_a_bad_setting_under_the_plugin_stops_the_server_naming_the_key(
     from semblend_sglang.patches.sglang import installed_adapter
 
     assert installed_adapter() is None
+
+
+def _model_config(model_dir: Path, overrides: dict[str, Any]) -> Any:
+    """sglang's ModelConfig of ``model_dir`` with ``--json-model-override-args`` applied."""
+    import json
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(
+        model_path=str(model_dir), dtype="float32", model_override_args=json.dumps(overrides)
+    )
+
+
+def test_rope_comes_from_the_engines_resolved_config_not_config_json(
+    smollm2_model_dir: Path,
+) -> None:
+    """``--json-model-override-args`` (how Qwen's docs turn YaRN on) changes the RoPE the engine
+    runs; config.json still says default. The scheduler wrapper hands the runtime the engine's
+    resolved config, so keys are rotated with YaRN's frequencies."""
+    from semblend_sglang.patches.sglang.runtime import SemblendRuntime
+    from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    overrides = {"rope_scaling": yarn, "rope_parameters": {**yarn, "rope_theta": 100000.0}}
+    model_config = _model_config(smollm2_model_dir, overrides)
+    runtime = SemblendRuntime(Config())
+
+    class FakeSchedulerBuiltElsewhere:  # the real Scheduler needs a model process to build
+        def __init__(self) -> None:
+            self.server_args = _server_args(smollm2_model_dir)
+            self.model_config = model_config
+
+    init = wrap_scheduler_init(FakeSchedulerBuiltElsewhere.__init__, runtime)
+    init(FakeSchedulerBuiltElsewhere.__new__(FakeSchedulerBuiltElsewhere))
+    assert runtime.active
+    spec = runtime.rope_spec(str(smollm2_model_dir))
+    assert spec is not None and spec.scaling == "yarn" and spec.factor == 4.0
+    plain = SemblendRuntime(Config()).rope_spec(str(smollm2_model_dir))  # config.json alone
+    assert plain is not None and plain.scaling == "default"
+
+
+def test_a_model_whose_layers_differ_in_rope_is_refused_at_start_up(
+    smollm2_model_dir: Path,
+) -> None:
+    model_config = _model_config(smollm2_model_dir, {"no_rope_layers": [1] * 29 + [0]})
+    found = unsupported_options(_server_args(smollm2_model_dir), model_config)
+    assert len(found) == 1 and found[0].startswith("RoPE of the served model: no_rope_layers")

@@ -418,6 +418,22 @@ class SemblendRuntime:
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         return text
 
+    def use_model_config(self, hf_config: Any) -> None:
+        """Take the served model's RoPE from ``hf_config``, the HF config the engine resolved
+        (``--json-model-override-args`` and ``--revision`` applied), instead of reading
+        config.json later. An unsupported RoPE is logged once and every plan is declined."""
+        try:
+            self._rope_spec = RopeSpec.from_hf_config(hf_config)
+            self._rope_error = None
+        except Exception as exc:
+            self._rope_spec = None
+            self._rope_error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "semblend: cannot reuse KV for this model (%s); every plan is declined as %s",
+                self._rope_error,
+                Reason.UNSUPPORTED_CACHE,
+            )
+
     def set_rope_spec(self, spec: RopeSpec) -> None:
         """Use ``spec`` for K rotation (tests and in-process engines that know their model)."""
         self._rope_spec = spec

@@ -12,7 +12,7 @@ from typing import Any
 
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .runtime import SemblendRuntime
-from .server_options import unsupported_options
+from .server_options import engine_hf_config, unsupported_options
 
 
 def wrap_get_internal_state(original: Callable[..., Any], runtime: SemblendRuntime) -> Any:
@@ -68,7 +68,9 @@ def wrap_add_chunked_req(
 def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) -> Any:
     """``Scheduler.__init__`` that, once the scheduler is built, names every server option
     semantic reuse does not support (:func:`.server_options.unsupported_options`) and turns
-    the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`)."""
+    the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`); otherwise the runtime
+    takes the model's RoPE from the engine's resolved config
+    (:meth:`SemblendRuntime.use_model_config`)."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -79,5 +81,9 @@ def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) 
         )
         if refused:
             runtime.refuse(refused)
+            return
+        hf_config = engine_hf_config(model_config)
+        if hf_config is not None:
+            runtime.guarded("startup", None, None, runtime.use_model_config, hf_config)
 
     return __init__

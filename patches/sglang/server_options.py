@@ -20,7 +20,9 @@ def unsupported_options(server_args: Any, model_config: Any = None) -> list[str]
     model's KV pool is never filled for reused spans), ``--page-size`` > 1 (spans are copied per
     token), a quantized ``--kv-cache-dtype``, PD disaggregation (the prefill node would send
     reused KV to a decode node whose cache may insert it as exact), and MLA or sliding-window
-    attention. Empty when every option is supported."""
+    attention, and a RoPE a delta rotation cannot correct (read from the engine's resolved model
+    config: ``--json-model-override-args`` and ``--revision`` applied). Empty when every option
+    is supported."""
     out: list[str] = []
     if getattr(server_args, "disable_radix_cache", False):
         out.append("--disable-radix-cache: no exact cache holds donor KV")
@@ -42,9 +44,33 @@ def unsupported_options(server_args: Any, model_config: Any = None) -> list[str]
             "may insert it as exact"
         )
     if model_config is not None:
+        rope_error = model_rope_error(model_config)
+        if rope_error is not None:
+            out.append(f"RoPE of the served model: {rope_error}")
         arch = getattr(model_config, "attention_arch", None)
         if getattr(arch, "name", None) == "MLA":
             out.append("MLA attention: its compressed KV cache is not copied")
         if getattr(model_config, "is_hybrid_swa", False):
             out.append("sliding-window attention layers: their KV pool is not copied")
     return out
+
+
+def engine_hf_config(model_config: Any) -> Any:
+    """The HF config SGLang resolved for the served model (its text config for a multimodal
+    one), or None."""
+    return getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+
+
+def model_rope_error(model_config: Any) -> str | None:
+    """Why the served model's RoPE (from the engine's resolved config) is not supported, or None
+    (supported, or no config to read)."""
+    from semblend_sglang.kernels import RopeConfigError, RopeSpec
+
+    hf = engine_hf_config(model_config)
+    if hf is None:
+        return None
+    try:
+        RopeSpec.from_hf_config(hf)
+    except RopeConfigError as exc:
+        return str(exc)
+    return None
