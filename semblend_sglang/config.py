@@ -160,6 +160,13 @@ FIELDS: tuple[FieldSpec, ...] = (
         "tree (evicted before the tree) instead of freeing it (SGLang 0.5.21+).",
     ),
     FieldSpec(
+        "report_reuse_to_client",
+        bool,
+        False,
+        "Add semantically reused tokens to the client-visible cached_tokens (off: clients see "
+        "SGLang's exact prefix hit only; docs/security.md).",
+    ),
+    FieldSpec(
         "exact_materialization_only",
         bool,
         True,
@@ -411,6 +418,7 @@ class Config:
     strict_prefix_boundary: bool = False
     max_plan_donors: int = 8
     keep_reused_donors: bool = True
+    report_reuse_to_client: bool = False
     exact_materialization_only: bool = True
     min_prompt_tokens: int = 256
     exact_sufficient_ratio: float = 0.90

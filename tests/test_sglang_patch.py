@@ -146,6 +146,34 @@ def test_materialized_slots_hold_the_donors_kv_rotated_by_the_shift(
     _assert_drained(h)
 
 
+def test_reuse_is_reported_to_the_client_only_when_configured(
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """``report_reuse_to_client``: the reused tokens join SGLang's ``cached_tokens`` (what
+    ``meta_info`` returns); off (the default, test above) it stays the exact prefix."""
+    installed = _installed(dataclasses.replace(CONFIG, report_reuse_to_client=True))
+    adapter = next(installed)
+    try:
+        h = SglangCacheHarness(HarnessConfig(pool_tokens=4096), model_config)
+        doc = _document(passages, 0, 8)
+        h.submit(instructions[0] + doc)
+        h.run_until_idle()
+        target = h.submit(instructions[4] + instructions[2] + doc, max_new_tokens=2)
+        runtime = adapter.runtime
+        _step_until(h, lambda: _materialized(runtime, target.rid))
+        reused = runtime.requests[target.rid].reused_total
+        h.run_until_idle()
+        assert reused > 0 and target.finished()
+        exact = target.cached_tokens - reused
+        assert 0 <= exact < len(instructions[4])
+        assert target.cached_tokens_device == target.cached_tokens
+        check_invariants(h, full_kv=True)
+    finally:
+        installed.close()
+
+
 def test_exact_repeat_after_a_semantic_hit_is_not_served_from_reused_kv(
     adapter: Any,
     model_config: Any,

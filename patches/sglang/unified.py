@@ -326,12 +326,21 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
                 if state is not None and not state.reused_any:
                     runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
             return
+        before = {r.rid: s.reused_total for r in batch.reqs if (s := runtime.state_of(r.rid))}
         try:
             one_pass.load_batch_spans(runtime, cache, batch, self._match_donor, spec)
         except Exception as exc:  # the batch is unchanged: its requests compute every position
             for req in batch.reqs:
                 if runtime.state_of(req.rid) is not None:
                     runtime.fail("load", exc, req.rid)
+            return
+        if self.config.report_reuse_to_client:
+            for req in batch.reqs:
+                state = runtime.state_of(req.rid)
+                copied = 0 if state is None else state.reused_total - before.get(req.rid, 0)
+                if copied > 0:  # sglang counted this chunk's exact prefix already
+                    req.cached_tokens += copied
+                    req.cached_tokens_device += copied
 
     # ----------------------------------------------------------------- 3. publish
     def _after_checkpoint(self, cache: Any, req: Any, up_to: int) -> None:
