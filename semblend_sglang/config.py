@@ -234,6 +234,16 @@ FIELDS: tuple[FieldSpec, ...] = (
         maximum=64,
     ),
     FieldSpec(
+        "lookup_budget_ms",
+        float,
+        5.0,
+        "Work budget of one lookup in milliseconds of the reference CPU, counted in operations "
+        "so that every rank decides alike; a lookup that runs out with no plan declines "
+        "(lookup_budget).",
+        minimum=0.01,
+        maximum=10000.0,
+    ),
+    FieldSpec(
         "min_candidate_tokens",
         int,
         32,
@@ -430,6 +440,7 @@ class Config:
     max_donors: int = 20000
     max_candidates: int = 8
     min_candidate_tokens: int = 32
+    lookup_budget_ms: float = 5.0
     chunk_avg_tokens: int = 16
     embed_discovery: bool = False
     dispatch_enabled: bool = True

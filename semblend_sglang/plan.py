@@ -45,6 +45,7 @@ class Reason:
     DONOR_ON_HOST = "donor_on_host"
     ABORTED = "aborted"
     NOT_AT_BOUNDARY = "not_at_boundary"
+    LOOKUP_BUDGET = "lookup_budget"
     OTHER = "other"
 
     ALL: tuple[str, ...] = (
@@ -70,6 +71,7 @@ class Reason:
         DONOR_ON_HOST,
         ABORTED,
         NOT_AT_BOUNDARY,
+        LOOKUP_BUDGET,
         OTHER,
     )
 

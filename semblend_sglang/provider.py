@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .align import Anchors, Span, align, anchors_of, fuzzy_chunk_matches
+from .align import AlignLimits, Anchors, Span, align, anchors_of, fuzzy_chunk_matches
 from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
 from .config import Config
 from .embed import WindowedEmbedder, cosine, load_embedder
 from .index import Candidate, TokenIndex
+from .lookup_budget import LookupBudget
 from .namespace import Namespace
 from .plan import Decision, Reason, build_plan, cover, prefilter
 from .telemetry import Telemetry
@@ -279,9 +280,14 @@ class SemanticProvider:
         if early is not None:
             return early
         region = tokens[exact_len:]
+        budget = LookupBudget(config.lookup_budget_ms)
+        if not budget.charge(budget.region_cost(int(region.size))):
+            return Decision.decline(Reason.LOOKUP_BUDGET)
         # one polynomial prefix of the region serves both the chunk hashes and the anchors
         region_prefix = token_prefix(region)
         query = chunk_tokens(region, self.index.params, prefix=region_prefix)
+        if not budget.charge(budget.candidates_cost(len(query), self.index.max_postings_per_key)):
+            return Decision.decline(Reason.LOOKUP_BUDGET)
         candidates = self.index.candidates(
             namespace,
             query,
@@ -292,7 +298,9 @@ class SemanticProvider:
             return Decision.decline(Reason.NO_DONOR)
         anchors = anchors_of(region, config.min_span_tokens, prefix=region_prefix)
         if self._multi_donor():
-            return self._multi_donor_plan(tokens, region, anchors, exact_len, page_size, candidates)
+            return self._multi_donor_plan(
+                tokens, region, anchors, exact_len, page_size, candidates, budget
+            )
         first_decline: Decision | None = None
         for cand in candidates:
             donor = self._donor_tokens(cand)
@@ -300,7 +308,13 @@ class SemanticProvider:
                 if first_decline is None:
                     first_decline = Decision.decline(Reason.DONOR_EVICTED)
                 continue
-            decision = self._plan_for(tokens, region, anchors, exact_len, page_size, cand, donor)
+            limits = self._align_limits(budget, region, donor)
+            if limits is None:
+                first_decline = first_decline or Decision.decline(Reason.LOOKUP_BUDGET)
+                break
+            decision = self._plan_for(
+                tokens, region, anchors, exact_len, page_size, cand, donor, limits
+            )
             if decision.kind == "plan":
                 if config.discovery_only:
                     return Decision.decline(Reason.DISCOVERY_ONLY, evidence=decision.plan)
@@ -328,21 +342,32 @@ class SemanticProvider:
         exact_len: int,
         page_size: int,
         candidates: list[Candidate],
+        budget: LookupBudget,
     ) -> Decision:
         """Align the region with each candidate (best first) until ``max_plan_donors`` donors
-        contributed or nothing long enough is left uncovered, then cover the target with the
-        longest spans of any of them (:func:`.plan.cover`)."""
+        contributed, nothing long enough is left uncovered or the budget is spent, then cover
+        the target with the longest spans of any of them (:func:`.plan.cover`)."""
         config = self.config
         found: list[tuple[Hashable, tuple[Span, ...]]] = []
         cands: dict[Hashable, Candidate] = {}
         covered = np.zeros(region.size, dtype=bool)
-        evicted = False
+        evicted = spent = False
         for cand in candidates:
             donor = self._donor_tokens(cand)
             if donor is None:
                 evicted = True
                 continue
-            spans = align(region, donor, min_length=config.min_span_tokens, target_anchors=anchors)
+            limits = self._align_limits(budget, region, donor)
+            if limits is None:
+                spent = True
+                break
+            spans = align(
+                region,
+                donor,
+                min_length=config.min_span_tokens,
+                target_anchors=anchors,
+                limits=limits,
+            )
             new = [s for s in spans if not covered[s.target_start : s.target_end].all()]
             if not new:
                 continue
@@ -355,6 +380,8 @@ class SemanticProvider:
             if int(region.size - covered.sum()) < config.min_span_tokens + config.sink_tokens:
                 break
         if not found:
+            if spent:
+                return Decision.decline(Reason.LOOKUP_BUDGET)
             return Decision.decline(Reason.DONOR_EVICTED if evicted else Reason.NO_ALIGNMENT)
         spans, donors = cover(found, min_length=config.min_span_tokens)
         if exact_len:
@@ -378,6 +405,19 @@ class SemanticProvider:
             self.index.touch(handle)
         return decision
 
+    @staticmethod
+    def _align_limits(
+        budget: LookupBudget, region: np.ndarray, donor: np.ndarray
+    ) -> AlignLimits | None:
+        """The alignment limits the remaining budget affords against ``donor`` (charged), or
+        None when not even one diagonal fits."""
+        cap = AlignLimits().max_diagonals or 1
+        fit = budget.diagonals_that_fit(int(region.size), int(donor.size), cap)
+        if fit <= 0:
+            return None
+        budget.charge(budget.align_cost(int(region.size), int(donor.size), fit))
+        return AlignLimits(max_diagonals=fit)
+
     def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
         if cand.tokens is not None:
             return cand.tokens
@@ -400,9 +440,12 @@ class SemanticProvider:
         page_size: int,
         cand: Candidate,
         donor: np.ndarray,
+        limits: AlignLimits,
     ) -> Decision:
         config = self.config
-        found = align(region, donor, min_length=config.min_span_tokens, target_anchors=anchors)
+        found = align(
+            region, donor, min_length=config.min_span_tokens, target_anchors=anchors, limits=limits
+        )
         spans = (
             tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
             if exact_len

@@ -18,6 +18,10 @@ JOBS: dict[str, tuple[str, str]] = {
     ),
     "ttft": ("semblend_sglang.bench.ttft", "TTFT of cold vs exact-repeat prompts on the server."),
     "provider": ("semblend_sglang.bench.provider", "Donor lookup latency and index memory."),
+    "adversarial": (
+        "semblend_sglang.bench.adversarial",
+        "Donor lookups on adversarial token streams against the lookup budget.",
+    ),
     "kernels": ("semblend_sglang.bench.kernels", "transfer_kv bandwidth against a plain copy."),
     "semantic": (
         "semblend_sglang.bench.semantic",
