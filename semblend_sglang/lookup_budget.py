@@ -24,6 +24,9 @@ COMPARE_UNITS_PER_TOKEN = 1
 POSTING_UNITS = 2
 """Units per posting the index may read for one query key."""
 
+ANCHOR_PAIR_UNITS = 60
+"""Units per (target anchor, donor position) pair an alignment expands and sorts."""
+
 
 class LookupBudget:
     """Remaining work of one lookup. Owned by the provider's ``_decide``; not thread-safe."""
@@ -48,18 +51,22 @@ class LookupBudget:
         """Reading at most ``postings_per_key`` postings for each of ``query_keys`` keys."""
         return POSTING_UNITS * query_keys * postings_per_key
 
-    def diagonals_that_fit(self, target_tokens: int, donor_tokens: int, cap: int) -> int:
-        """How many diagonals (at most ``cap``) an alignment of a ``target_tokens`` region with a
-        ``donor_tokens`` donor may measure after paying for the donor's k-grams; 0 when not even
-        one fits. Charges nothing."""
+    def align_limits(
+        self, target_tokens: int, donor_tokens: int, max_pairs: int, max_diagonals: int
+    ) -> tuple[int, int] | None:
+        """(anchor pairs, diagonals) an alignment of a ``target_tokens`` region with a
+        ``donor_tokens`` donor may use (at most ``max_pairs`` and ``max_diagonals``), charged:
+        the donor's k-grams first, then half of what is left for anchor pairs and the rest for
+        diagonals. None (nothing charged) when not even one pair and one diagonal fit."""
         fixed = HASH_UNITS_PER_TOKEN * donor_tokens
         per_diagonal = COMPARE_UNITS_PER_TOKEN * max(1, min(target_tokens, donor_tokens))
-        if fixed + per_diagonal > self.remaining:
-            return 0
-        return min(cap, (self.remaining - fixed) // per_diagonal)
-
-    @staticmethod
-    def align_cost(target_tokens: int, donor_tokens: int, diagonals: int) -> int:
-        """The worst case of one alignment measuring ``diagonals`` diagonals."""
-        per_diagonal = COMPARE_UNITS_PER_TOKEN * max(1, min(target_tokens, donor_tokens))
-        return HASH_UNITS_PER_TOKEN * donor_tokens + diagonals * per_diagonal
+        left = self.remaining - fixed
+        if left < ANCHOR_PAIR_UNITS + per_diagonal:
+            return None
+        pairs = min(max_pairs, max(1, (left // 2) // ANCHOR_PAIR_UNITS))
+        left -= pairs * ANCHOR_PAIR_UNITS
+        diagonals = min(max_diagonals, left // per_diagonal)
+        if diagonals < 1:
+            return None
+        self.remaining -= fixed + pairs * ANCHOR_PAIR_UNITS + diagonals * per_diagonal
+        return pairs, diagonals

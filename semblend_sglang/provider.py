@@ -411,12 +411,16 @@ class SemanticProvider:
     ) -> AlignLimits | None:
         """The alignment limits the remaining budget affords against ``donor`` (charged), or
         None when not even one diagonal fits."""
-        cap = AlignLimits().max_diagonals or 1
-        fit = budget.diagonals_that_fit(int(region.size), int(donor.size), cap)
-        if fit <= 0:
+        default = AlignLimits()
+        fit = budget.align_limits(
+            int(region.size),
+            int(donor.size),
+            default.max_anchor_pairs or 1,
+            default.max_diagonals or 1,
+        )
+        if fit is None:
             return None
-        budget.charge(budget.align_cost(int(region.size), int(donor.size), fit))
-        return AlignLimits(max_diagonals=fit)
+        return AlignLimits(max_anchor_pairs=fit[0], max_diagonals=fit[1])
 
     def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
         if cand.tokens is not None:

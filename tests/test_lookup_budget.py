@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from semblend_sglang import provider as provider_module
 from semblend_sglang.bench.adversarial import Stream, long_similar, periodic, repeated_token
 from semblend_sglang.config import Config
-from semblend_sglang.lookup_budget import WORK_UNITS_PER_MS, LookupBudget
+from semblend_sglang.lookup_budget import ANCHOR_PAIR_UNITS, WORK_UNITS_PER_MS, LookupBudget
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 from semblend_sglang.provider import SemanticProvider
@@ -32,14 +32,16 @@ def test_charge_spends_only_what_fits() -> None:
     assert budget.charge(1) and budget.remaining == 0
 
 
-def test_diagonals_shrink_with_what_is_left() -> None:
-    budget = LookupBudget(1.0)
-    full = budget.diagonals_that_fit(1000, 1000, cap=256)
-    assert full == 256
-    budget.charge(budget.total - 10_000 - 5 * 1000)  # donor k-grams + five diagonals left
-    assert budget.diagonals_that_fit(1000, 1000, cap=256) == 5
-    budget.charge(budget.remaining)
-    assert budget.diagonals_that_fit(1000, 1000, cap=256) == 0
+def test_alignment_limits_shrink_with_what_is_left() -> None:
+    budget = LookupBudget(1000.0)
+    assert budget.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) == (65536, 256)
+    spent = budget.total - budget.remaining
+    assert spent == 10 * 1000 + 65536 * ANCHOR_PAIR_UNITS + 256 * 1000
+    small = LookupBudget(0.05)  # 50,000 units: donor k-grams 10,000, then 20,000 for pairs
+    pairs, diagonals = small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) or (0, 0)
+    assert pairs == 20_000 // ANCHOR_PAIR_UNITS and 1 <= diagonals <= 256
+    assert 0 <= small.remaining < 1000
+    assert small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) is None
 
 
 class _Recording(LookupBudget):
