@@ -66,15 +66,18 @@ class AlignLimits:
     ``max_anchor_pairs``: at most this many (target anchor, donor position) pairs of equal
     k-grams are used, target anchors with the fewest donor matches first (ties: smaller target
     position); ``max_diagonals``: at most this many shifts are measured, those with the most
-    anchor pairs first (ties: smaller shift). Real text stays far below both defaults; a run of
-    one repeated token would otherwise cost target x donor work.
+    anchor pairs first (ties: smaller shift); ``max_shared_probes``: at most this many donor
+    positions whose k-gram falls in a bucket of several target anchors are probed, evenly spaced
+    over the donor. Real text stays far below the defaults; a run of one repeated token would
+    otherwise cost target x donor work.
     """
 
     max_anchor_pairs: int | None = 65536
     max_diagonals: int | None = 256
+    max_shared_probes: int | None = 65536
 
 
-UNBOUNDED = AlignLimits(max_anchor_pairs=None, max_diagonals=None)
+UNBOUNDED = AlignLimits(max_anchor_pairs=None, max_diagonals=None, max_shared_probes=None)
 """Limits under which :func:`align` is exactly the greedy longest-first selection."""
 
 
@@ -174,6 +177,9 @@ def _anchor_pairs(
     max_pairs = limits.max_anchor_pairs
     if anchors._shared:
         shared = (code < 0).nonzero()[0]
+        cap = limits.max_shared_probes
+        if cap is not None and shared.size > cap:
+            shared = shared[:: -(-shared.size // cap)]  # evenly spaced, deterministic
         if shared.size:
             s_probe, s_pos = probe[shared], cand[shared]
             m = anchors.hashes.size

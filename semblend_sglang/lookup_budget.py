@@ -24,8 +24,9 @@ COMPARE_UNITS_PER_TOKEN = 1
 POSTING_UNITS = 2
 """Units per posting the index may read for one query key."""
 
-ANCHOR_PAIR_UNITS = 60
-"""Units per (target anchor, donor position) pair an alignment expands and sorts."""
+ANCHOR_PAIR_UNITS = 150
+"""Units per (target anchor, donor position) pair an alignment expands and sorts, and per donor
+position it probes in a bucket of several target anchors (the two are capped alike)."""
 
 
 class LookupBudget:

@@ -420,7 +420,7 @@ class SemanticProvider:
         )
         if fit is None:
             return None
-        return AlignLimits(max_anchor_pairs=fit[0], max_diagonals=fit[1])
+        return AlignLimits(max_anchor_pairs=fit[0], max_diagonals=fit[1], max_shared_probes=fit[0])
 
     def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
         if cand.tokens is not None:
