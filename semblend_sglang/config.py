@@ -309,6 +309,13 @@ FIELDS: tuple[FieldSpec, ...] = (
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
 FIELDS_BY_ENV: dict[str, FieldSpec] = {f.env: f for f in FIELDS}
 FIELDS_BY_FLAG: dict[str, FieldSpec] = {f.flag: f for f in FIELDS}
+
+
+def _default(name: str) -> Any:
+    """The default of field ``name``, declared once in :data:`FIELDS`."""
+    return FIELDS_BY_NAME[name].default
+
+
 _JSON_KEYS: dict[str, FieldSpec] = {
     **{f.name: f for f in FIELDS},
     **{alias: f for f in FIELDS for alias in f.json_aliases},
@@ -417,37 +424,37 @@ class Config:
     """Validated SemBlend settings; build with :meth:`from_env`, :meth:`from_json`,
     :meth:`from_sources` (never raise from the engine: build it at start-up)."""
 
-    enabled: bool = True
-    mode: str = "exact_spans"
-    provider: str = "local"
-    model_id: str = ""
-    min_similarity: float = 0.60
-    embedder: str = "minilm"
-    fuzzy_chunks: bool = False
-    fuzzy_threshold: float = 0.85
-    strict_prefix_boundary: bool = False
-    max_plan_donors: int = 8
-    keep_reused_donors: bool = True
-    report_reuse_to_client: bool = False
-    exact_materialization_only: bool = True
-    min_prompt_tokens: int = 256
-    exact_sufficient_ratio: float = 0.90
-    min_reuse_tokens: int = 128
-    min_reuse_ratio: float = 0.25
-    sink_tokens: int = 4
-    max_spans: int = 8
-    min_span_tokens: int = 32
-    max_donors: int = 20000
-    max_candidates: int = 8
-    min_candidate_tokens: int = 32
-    lookup_budget_ms: float = 5.0
-    chunk_avg_tokens: int = 16
-    embed_discovery: bool = False
-    dispatch_enabled: bool = True
-    dispatch_load_margin: int = 8192
-    dispatch_index_bytes: int = 64 * 1024 * 1024
-    dispatch_chunk_avg_tokens: int = 64
-    dispatch_expire_ratio: float = 1.0
+    enabled: bool = _default("enabled")
+    mode: str = _default("mode")
+    provider: str = _default("provider")
+    model_id: str = _default("model_id")
+    min_similarity: float = _default("min_similarity")
+    embedder: str = _default("embedder")
+    fuzzy_chunks: bool = _default("fuzzy_chunks")
+    fuzzy_threshold: float = _default("fuzzy_threshold")
+    strict_prefix_boundary: bool = _default("strict_prefix_boundary")
+    max_plan_donors: int = _default("max_plan_donors")
+    keep_reused_donors: bool = _default("keep_reused_donors")
+    report_reuse_to_client: bool = _default("report_reuse_to_client")
+    exact_materialization_only: bool = _default("exact_materialization_only")
+    min_prompt_tokens: int = _default("min_prompt_tokens")
+    exact_sufficient_ratio: float = _default("exact_sufficient_ratio")
+    min_reuse_tokens: int = _default("min_reuse_tokens")
+    min_reuse_ratio: float = _default("min_reuse_ratio")
+    sink_tokens: int = _default("sink_tokens")
+    max_spans: int = _default("max_spans")
+    min_span_tokens: int = _default("min_span_tokens")
+    max_donors: int = _default("max_donors")
+    max_candidates: int = _default("max_candidates")
+    min_candidate_tokens: int = _default("min_candidate_tokens")
+    lookup_budget_ms: float = _default("lookup_budget_ms")
+    chunk_avg_tokens: int = _default("chunk_avg_tokens")
+    embed_discovery: bool = _default("embed_discovery")
+    dispatch_enabled: bool = _default("dispatch_enabled")
+    dispatch_load_margin: int = _default("dispatch_load_margin")
+    dispatch_index_bytes: int = _default("dispatch_index_bytes")
+    dispatch_chunk_avg_tokens: int = _default("dispatch_chunk_avg_tokens")
+    dispatch_expire_ratio: float = _default("dispatch_expire_ratio")
     unknown_keys: tuple[str, ...] = field(default=(), compare=False)
     """SEMBLEND_* env vars and JSON keys that name no field (reported, not applied)."""
 

@@ -215,3 +215,28 @@ def test_config_is_frozen_and_validated_on_construction() -> None:
     with pytest.raises(ConfigError):
         Config(max_spans=0)
     assert Config(max_spans=2).as_dict()["max_spans"] == 2
+
+
+def test_every_field_is_in_the_documented_table_with_its_names_and_default() -> None:
+    """docs/provider.md's settings table names each field's env var, flag and JSON key and its
+    default; FIELDS is where they are declared, so the table must follow it."""
+    from pathlib import Path
+
+    from semblend_sglang.config import parse_value
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "provider.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[1].startswith("SEMBLEND_"):
+            rows[cells[0]] = cells
+    for spec in FIELDS:
+        assert spec.name in rows, f"{spec.name} missing from docs/provider.md"
+        name, env, flag, json_keys, default = rows[spec.name][:5]
+        assert (env, flag) == (spec.env, spec.flag), spec.name
+        assert spec.name in [k.strip() for k in json_keys.split(",")], spec.name
+        shown = default.strip('"').replace(" MiB", "").replace(",", "")
+        value = parse_value(spec, shown, spec.name) if shown else ""
+        if shown and default.endswith(" MiB"):
+            value = int(shown) * 1024 * 1024
+        assert value == spec.default, (spec.name, default, spec.default)
