@@ -232,7 +232,7 @@ def test_every_field_is_in_the_documented_table_with_its_names_and_default() -> 
             rows[cells[0]] = cells
     for spec in FIELDS:
         assert spec.name in rows, f"{spec.name} missing from docs/provider.md"
-        name, env, flag, json_keys, default = rows[spec.name][:5]
+        _, env, flag, json_keys, default = rows[spec.name][:5]
         assert (env, flag) == (spec.env, spec.flag), spec.name
         assert spec.name in [k.strip() for k in json_keys.split(",")], spec.name
         shown = default.strip('"').replace(" MiB", "").replace(",", "")
