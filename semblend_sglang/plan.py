@@ -11,6 +11,7 @@ Spans may come from several donors (:func:`cover`): each planned span names its 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,8 +21,9 @@ from .config import Config
 from .namespace import Namespace
 
 
-class Reason:
-    """Decision and outcome reasons (closed set; also the telemetry ``reason`` label values)."""
+class Reason(enum.StrEnum):
+    """Decision and outcome reasons (closed set; also the telemetry ``reason`` label values).
+    Members are strings: they compare, hash, format and serialize as their values."""
 
     EXACT_SUFFICIENT = "exact_sufficient"
     DISABLED = "disabled"
@@ -47,33 +49,6 @@ class Reason:
     NOT_AT_BOUNDARY = "not_at_boundary"
     LOOKUP_BUDGET = "lookup_budget"
     OTHER = "other"
-
-    ALL: tuple[str, ...] = (
-        EXACT_SUFFICIENT,
-        DISABLED,
-        PROMPT_TOO_SHORT,
-        NO_DONOR,
-        DONOR_EVICTED,
-        NO_ALIGNMENT,
-        SPANS_TRIMMED_AWAY,
-        REUSE_TOO_SMALL,
-        REUSE_RATIO_LOW,
-        SIMILARITY_LOW,
-        NO_EMBEDDER,
-        DISCOVERY_ONLY,
-        COLD_FALLBACK,
-        PLANNED,
-        ENGINE_DECLINED,
-        UNREPORTED,
-        CHUNK_SLOT_BUSY,
-        NO_CAPACITY,
-        UNSUPPORTED_CACHE,
-        DONOR_ON_HOST,
-        ABORTED,
-        NOT_AT_BOUNDARY,
-        LOOKUP_BUDGET,
-        OTHER,
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,6 +111,10 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
         return metrics
 
 
+_REASONS = frozenset(r.value for r in Reason)
+"""Every reason's value (a known telemetry label)."""
+
+
 class Telemetry:
     """Counts outcomes for one provider; exports them on a prometheus registry.
 
@@ -144,14 +148,14 @@ class Telemetry:
         spans: int = 0,
         donors: int = 0,
     ) -> None:
-        """Count one request's outcome. ``reason`` (declined only) outside :attr:`Reason.ALL`
+        """Count one request's outcome. ``reason`` (declined only) outside :class:`Reason`
         is counted as ``other``; ``reused``, ``spans`` and ``donors`` (materialized only) add
         the request's reused tokens, spans and distinct donors."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         label = None
         if outcome == "declined":
-            label = reason if reason in Reason.ALL else Reason.OTHER
+            label = reason if reason in _REASONS else Reason.OTHER
         with self._lock:
             self._outcomes[outcome] += 1
             if label is not None:
