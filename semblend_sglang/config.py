@@ -226,6 +226,14 @@ FIELDS: tuple[FieldSpec, ...] = (
         minimum=1,
     ),
     FieldSpec(
+        "max_index_bytes",
+        int,
+        512 * 1024 * 1024,
+        "Bytes the donor index may hold (postings, records, token copies); the least recently "
+        "used donors are dropped beyond it.",
+        minimum=1024 * 1024,
+    ),
+    FieldSpec(
         "max_candidates",
         int,
         8,
@@ -445,6 +453,7 @@ class Config:
     max_spans: int = _default("max_spans")
     min_span_tokens: int = _default("min_span_tokens")
     max_donors: int = _default("max_donors")
+    max_index_bytes: int = _default("max_index_bytes")
     max_candidates: int = _default("max_candidates")
     min_candidate_tokens: int = _default("min_candidate_tokens")
     lookup_budget_ms: float = _default("lookup_budget_ms")

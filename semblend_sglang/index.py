@@ -47,6 +47,20 @@ _ID_DTYPE = np.uint32
 _MAX_ID = int(np.iinfo(_ID_DTYPE).max)
 
 
+POSTING_BYTES = 12
+"""Bytes of one posting in a run: an 8-byte chunk key and a 4-byte donor id."""
+
+RECORD_BYTES = 320
+"""Bytes of one donor's record, sketch and dict entries (measured with sys.getsizeof)."""
+
+
+def donor_bytes(n_keys: int, tokens: np.ndarray | None) -> int:
+    """What one donor costs the index while it is live: its postings, its record and sketch, and
+    its token copy when the index keeps one. Dead postings wait for compaction, which keeps them
+    fewer than the live ones."""
+    return n_keys * POSTING_BYTES + RECORD_BYTES + (0 if tokens is None else int(tokens.nbytes))
+
+
 class DonorRecord:
     """One registered donor. Owned by :class:`TokenIndex`; callers must not mutate it."""
 
@@ -212,6 +226,7 @@ class TokenIndex:
         *,
         keep_tokens: bool,
         max_postings_per_key: int = MAX_POSTINGS_PER_KEY,
+        max_bytes: int | None = None,
     ) -> None:
         if max_postings_per_key < 1:
             raise ValueError(f"max_postings_per_key must be >= 1, got {max_postings_per_key}")
@@ -221,6 +236,8 @@ class TokenIndex:
         self.max_donors = max_donors
         self.keep_tokens = keep_tokens
         self.max_postings_per_key = max_postings_per_key
+        self.max_bytes = max_bytes
+        self._live_bytes = 0
         self._lock = threading.RLock()
         self._records: OrderedDict[int, DonorRecord] = OrderedDict()  # LRU order, oldest first
         self._by_handle: dict[Hashable, int] = {}
@@ -262,8 +279,13 @@ class TokenIndex:
             self._by_handle[handle] = donor_id
             self._add_run(keys, np.full(keys.size, donor_id, dtype=_ID_DTYPE))
             self._live_postings += int(keys.size)
+            self._live_bytes += donor_bytes(int(keys.size), copy)
             evicted: list[Hashable] = []
-            while len(self._records) > self.max_donors:
+            while len(self._records) > self.max_donors or (
+                self.max_bytes is not None
+                and self._live_bytes > self.max_bytes
+                and len(self._records) > 1
+            ):
                 oldest = next(iter(self._records))
                 evicted.append(self._records[oldest].handle)
                 self._drop(oldest)
@@ -430,6 +452,11 @@ class TokenIndex:
                     total += rec.tokens.nbytes
             return total
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes the live donors cost (:func:`donor_bytes`), what ``max_bytes`` bounds."""
+        return self._live_bytes
+
     def stats(self) -> dict[str, int]:
         """Counters for telemetry and the benchmark: donors, postings, runs, next id."""
         with self._lock:
@@ -447,6 +474,7 @@ class TokenIndex:
         del self._by_handle[rec.handle]
         self._alive[donor_id] = False
         self._live_postings -= rec.n_keys
+        self._live_bytes -= donor_bytes(rec.n_keys, rec.tokens)
 
     def _merge(self, a: _Run, b: _Run) -> _Run:
         """Merge two sorted runs (b after a for equal keys), dropping dead donors."""

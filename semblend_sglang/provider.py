@@ -80,7 +80,10 @@ class SemanticProvider:
         self._token_source = token_source
         self._detokenize = detokenize
         self.index = TokenIndex(
-            chunk_params_for(config), config.max_donors, keep_tokens=token_source is None
+            chunk_params_for(config),
+            config.max_donors,
+            keep_tokens=token_source is None,
+            max_bytes=config.max_index_bytes,
         )
         self._lock = threading.Lock()
         self._decisions: dict[Hashable, Decision] = {}

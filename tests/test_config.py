@@ -235,8 +235,8 @@ def test_every_field_is_in_the_documented_table_with_its_names_and_default() -> 
         _, env, flag, json_keys, default = rows[spec.name][:5]
         assert (env, flag) == (spec.env, spec.flag), spec.name
         assert spec.name in [k.strip() for k in json_keys.split(",")], spec.name
-        shown = default.strip('"').replace(" MiB", "").replace(",", "")
+        shown = default.strip('"').replace(",", "")
+        if shown.endswith(" MiB"):
+            shown = str(int(shown.removesuffix(" MiB")) * 1024 * 1024)
         value = parse_value(spec, shown, spec.name) if shown else ""
-        if shown and default.endswith(" MiB"):
-            value = int(shown) * 1024 * 1024
         assert value == spec.default, (spec.name, default, spec.default)

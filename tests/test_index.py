@@ -120,6 +120,29 @@ def test_lru_bound_holds_and_use_refreshes(essay_ids: np.ndarray) -> None:
     assert len(index) == 5 and index.handles()[-1] == 9
 
 
+def test_byte_bound_drops_the_least_recently_used_donors(essay_ids: np.ndarray) -> None:
+    """``max_bytes`` bounds what the live donors cost (postings, records, token copies); the
+    charge agrees with the index's own measurement (``nbytes``) within the dead postings and
+    container slack it leaves out."""
+    probe = TokenIndex(PARAMS, 1000, keep_tokens=True)
+    probe.register(NS, "one", essay_ids[:4096])
+    one = probe.live_bytes
+    assert one >= 4096 * 4 and abs(probe.nbytes() - one) < 0.5 * one
+    index = TokenIndex(PARAMS, 1000, keep_tokens=True, max_bytes=int(4.5 * one))
+    evicted: list[Any] = []
+    for h in range(12):
+        start = (h * 4099) % (essay_ids.size - 4096)
+        evicted += index.register(NS, h, essay_ids[start : start + 4096])
+        assert index.live_bytes <= index.max_bytes or len(index) == 1
+    assert 3 <= len(index) <= 5
+    assert evicted == list(range(12 - len(index)))  # oldest first
+    assert index.handles() == list(range(12 - len(index), 12))
+    assert index.nbytes() < 2 * index.max_bytes
+    for h in index.handles():
+        index.forget(h)
+    assert index.live_bytes == 0
+
+
 def test_forget_compaction_and_renumbering_keep_live_donors(essay_ids: np.ndarray) -> None:
     index = TokenIndex(PARAMS, 100000, keep_tokens=False)
     keep = {}
