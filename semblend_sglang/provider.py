@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 TokenSource = Callable[[Hashable], "Sequence[int] | np.ndarray | None"]
 """Returns a donor's tokens from the engine, or None when its KV is gone."""
+DonorAlive = Callable[[Hashable, np.ndarray], int]
+"""How many leading tokens of donor ``handle`` (given its tokens) the engine still holds KV for;
+asked per candidate during a lookup, so that an evicted donor is forgotten and the next candidate
+tried, and a partly evicted one is aligned over what is left."""
 Detokenize = Callable[[Sequence[int]], str]
 """Turns token ids back into text (only for the embedder)."""
 
@@ -162,9 +166,15 @@ class SemanticProvider:
         request_id: Hashable | None,
         *,
         page_size: int = 1,
+        alive: DonorAlive | None = None,
     ) -> Decision:
         """Decide how request ``request_id`` (prompt ``token_ids``, exact prefix hit ``exact_len``
         from the engine's own cache) should prefill: exact, plan or decline.
+
+        ``alive``: the engine's count of a candidate donor's leading tokens whose KV is still
+        there; a candidate with fewer than ``min_span_tokens`` left is forgotten and the next one
+        tried, another is aligned over what is left (None: every indexed donor is taken as
+        whole; the engine finds out at its copy).
 
         The first decision for a request id is cached until :meth:`release`; later calls return it
         at the cost of a dict lookup (``request_id=None`` disables caching). ``page_size`` is the
@@ -178,7 +188,7 @@ class SemanticProvider:
                 return cached
         started = time.perf_counter()
         try:
-            decision = self._decide(namespace, token_ids, exact_len, page_size)
+            decision = self._decide(namespace, token_ids, exact_len, page_size, alive)
         except Exception as exc:
             self._log_once("lookup", exc)
             self.telemetry.record_error("lookup")
@@ -273,7 +283,12 @@ class SemanticProvider:
             self.telemetry.record_outcome("declined", reason=decision.reason)
 
     def _decide(
-        self, namespace: Namespace, token_ids: Sequence[int], exact_len: int, page_size: int
+        self,
+        namespace: Namespace,
+        token_ids: Sequence[int],
+        exact_len: int,
+        page_size: int,
+        alive: DonorAlive | None = None,
     ) -> Decision:
         config = self.config
         tokens = as_token_array(token_ids)
@@ -302,11 +317,11 @@ class SemanticProvider:
         anchors = anchors_of(region, config.min_span_tokens, prefix=region_prefix)
         if self._multi_donor():
             return self._multi_donor_plan(
-                tokens, region, anchors, exact_len, page_size, candidates, budget
+                tokens, region, anchors, exact_len, page_size, candidates, budget, alive
             )
         first_decline: Decision | None = None
         for cand in candidates:
-            donor = self._donor_tokens(cand)
+            donor = self._live_donor_tokens(cand, alive)
             if donor is None:
                 if first_decline is None:
                     first_decline = Decision.decline(Reason.DONOR_EVICTED)
@@ -346,6 +361,7 @@ class SemanticProvider:
         page_size: int,
         candidates: list[Candidate],
         budget: LookupBudget,
+        alive: DonorAlive | None = None,
     ) -> Decision:
         """Align the region with each candidate (best first) until ``max_plan_donors`` donors
         contributed, nothing long enough is left uncovered or the budget is spent, then cover
@@ -356,7 +372,7 @@ class SemanticProvider:
         covered = np.zeros(region.size, dtype=bool)
         evicted = spent = False
         for cand in candidates:
-            donor = self._donor_tokens(cand)
+            donor = self._live_donor_tokens(cand, alive)
             if donor is None:
                 evicted = True
                 continue
@@ -424,6 +440,20 @@ class SemanticProvider:
         if fit is None:
             return None
         return AlignLimits(max_anchor_pairs=fit[0], max_diagonals=fit[1], max_shared_probes=fit[0])
+
+    def _live_donor_tokens(self, cand: Candidate, alive: DonorAlive | None) -> np.ndarray | None:
+        """The candidate's tokens whose KV the engine still holds, or None (and the donor
+        forgotten) when too few are left to hold a span."""
+        donor = self._donor_tokens(cand)
+        if donor is None or alive is None:
+            return donor
+        left = int(alive(cand.handle, donor))
+        if left < self.config.min_span_tokens:
+            self.index.forget(cand.handle)
+            self._embed_cache.pop(cand.handle, None)
+            self.telemetry.set_donors(len(self.index))
+            return None
+        return donor[:left]
 
     def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
         if cand.tokens is not None:

@@ -329,3 +329,33 @@ def test_passages_seen_in_different_donors_are_reused_from_each(
         one.register(NS, handle, tokens)
     single = one.lookup(NS, target, 0, "q")
     assert single.plan is None or len(single.plan.donors) == 1
+
+
+@pytest.mark.parametrize("multi_donor", [True, False])
+def test_an_evicted_candidate_is_forgotten_and_the_next_one_used(
+    essay_ids: np.ndarray, multi_donor: bool
+) -> None:
+    """Two donors hold the same document; the engine says the newer (the first candidate) lost
+    its KV: the lookup forgets it and plans from the other, instead of declining."""
+    config = Config(max_plan_donors=8 if multi_donor else 1)
+    provider = new_provider(config)
+    doc = essay_ids[20000:22000]
+    provider.register(NS, "old", np.concatenate([essay_ids[:40], doc]))
+    provider.register(NS, "new", np.concatenate([essay_ids[50:90], doc]))
+    target = np.concatenate([essay_ids[60000:60040], doc])
+    asked: list[Any] = []
+
+    def alive(handle: Any, tokens: np.ndarray) -> int:
+        asked.append(handle)
+        return 0 if handle == "new" else len(tokens)
+
+    decision = provider.lookup(NS, target, 0, "r1", alive=alive)
+    assert decision.kind == "plan", decision.reason
+    assert decision.plan is not None and set(decision.plan.donors) == {"old"}
+    assert asked[0] == "new" and "old" in asked
+    assert provider.donor_tokens("new") is None  # forgotten
+    half = provider.lookup(NS, target, 0, "r2", alive=lambda h, t: 40 + 1000)
+    assert half.kind == "plan" and half.plan is not None
+    assert max(s.donor_end for s in half.plan.spans) <= 1040  # only what is left is aligned
+    gone = provider.lookup(NS, target, 0, "r3", alive=lambda h, t: 0)
+    assert gone.kind == "decline" and gone.reason == "donor_evicted"
