@@ -212,8 +212,8 @@ def test_randomized_semantic_traffic_keeps_every_invariant(
     snap = adapter.runtime.snapshot()
     print(f"semantic run: {harness.stats} {counts} {snap['outcomes']} {snap['declined']}")
     assert snap["outcomes"]["materialized"] >= 30, snap  # 127 measured with this seed
-    held = snap["held_donors"]
-    assert held["kept"] >= 5 and held["matched"] >= 1 and held["evicted"] >= 1, held
+    held = snap["held_donors"]  # kept and evicted under pressure; reuse from them: own tests
+    assert held["kept"] >= 5 and held["evicted"] >= 1, held
     assert snap["outcomes"]["cold_fallback"] == 0, snap
     assert snap["errors"] == {}, snap
     assert counts["aborted"] >= 3 and counts["chunked"] >= 5, counts
@@ -286,7 +286,7 @@ def test_randomized_multi_donor_traffic_with_retraction_keeps_every_invariant(
     assert snap["outcomes"]["materialized"] >= 15, snap
     assert snap["multi_donor_requests"] >= 1, snap
     held = snap["held_donors"]
-    assert held["kept"] >= 5 and held["matched"] >= 1, held
+    assert held["kept"] >= 5, held
     assert counts["retracted"] >= 3 and counts["aborted"] >= 3, counts
     assert Reason.UNREPORTED not in snap["declined"], snap  # every plan's outcome was recorded
     assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
@@ -438,6 +438,39 @@ def test_passages_from_two_donors_and_one_evicted_before_the_copy(
     h.run_until_idle()
     snap = runtime.provider.snapshot()
     assert snap["outcomes"]["materialized"] == 2, snap
+    check_invariants(h, full_kv=True)
+    _assert_drained(h)
+
+
+def test_a_donor_evicted_before_the_lookup_is_skipped_for_the_next_candidate(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """Two donors hold the same document; the newer one (the first candidate) has no KV left in
+    the tree (its prompt is registered but was never published here: what an eviction the index
+    has not heard of leaves). The lookup asks the tree, forgets it, and plans from the older."""
+    from semblend_sglang.patches.sglang.request_info import namespace_for
+
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
+    runtime = adapter.runtime
+    doc = _document(passages, 3, 8)
+    older = instructions[0] + doc
+    first = h.submit(older)
+    h.run_until_idle()
+    runtime.register_donor(namespace_for(first), "gone", instructions[1] + doc)
+    ghost = runtime.donor_handle("gone")
+    assert len(runtime.provider.index) == 2
+    target = h.submit(instructions[2] + doc, max_new_tokens=2)
+    _step_until(h, lambda: _materialized(runtime, target.rid))
+    state = runtime.requests[target.rid]
+    assert ghost not in state.plan.donors and not runtime.is_donor(ghost)
+    assert [runtime.donor_tokens(d).tolist() for d in state.donors_loaded] == [older]
+    assert state.reused_total >= len(doc) - 2 * CONFIG.sink_tokens - 4
+    assert _check_loaded_kv(h, runtime, target) == state.reused_total
+    h.run_until_idle()
+    assert runtime.snapshot()["declined"].get("donor_evicted") is None
     check_invariants(h, full_kv=True)
     _assert_drained(h)
 

@@ -91,7 +91,14 @@ class HookedAdapter(SglangAdapter):
             return None  # substitute mode decides at arrival
         usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
         namespace = namespace_for(req)
-        decision = runtime.lookup(namespace, tokens[:usable], exact_len, rid, int(cache.page_size))
+        decision = runtime.lookup(
+            namespace,
+            tokens[:usable],
+            exact_len,
+            rid,
+            int(cache.page_size),
+            self._donor_alive(cache, namespace),
+        )
         if decision.kind != "plan" or decision.plan is None:
             return None
         state = runtime.start(rid, namespace, decision.plan)
@@ -102,6 +109,11 @@ class HookedAdapter(SglangAdapter):
             runtime.decline(rid, Reason.SPANS_TRIMMED_AWAY)
             return None
         return state
+
+    def _donor_alive(self, cache: Any, namespace: Any) -> Any:
+        """The provider's liveness check of a candidate donor in ``cache`` (``DonorAlive``), or
+        None when this adapter has none (the copy then finds evicted donors)."""
+        return None
 
     def _register_donor(self, req: Any, published_len: int, cap: int | None = None) -> None:
         """Index ``req``'s prompt as a donor (once) when the tree now holds all of it, or, for a

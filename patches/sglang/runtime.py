@@ -281,10 +281,19 @@ class SemblendRuntime:
         return bool(self.requests)
 
     def lookup(
-        self, namespace: Namespace, tokens: Any, exact_len: int, rid: str, page_size: int
+        self,
+        namespace: Namespace,
+        tokens: Any,
+        exact_len: int,
+        rid: str,
+        page_size: int,
+        alive: Any = None,
     ) -> Any:
-        """The provider's decision for request ``rid`` (:meth:`SemanticProvider.lookup`)."""
-        return self.provider.lookup(namespace, tokens, exact_len, rid, page_size=page_size)
+        """The provider's decision for request ``rid`` (:meth:`SemanticProvider.lookup`;
+        ``alive``: the engine's count of a candidate donor's tokens whose KV is left)."""
+        return self.provider.lookup(
+            namespace, tokens, exact_len, rid, page_size=page_size, alive=alive
+        )
 
     def settle(self, rid: str) -> None:
         """``rid`` was decided outside the match hooks (substitute mode at arrival): they leave it

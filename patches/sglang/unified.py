@@ -487,6 +487,19 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             self.runtime.held.tokens = store.held_tokens
         self.runtime.forget_donor(handle)
 
+    def _donor_alive(self, cache: Any, namespace: Namespace) -> Any:
+        """A held donor keeps its whole prompt (its head's slots are checked at the copy); any
+        other donor has the leading tokens the tree still holds, on the device or in host
+        memory (SGLang's load-back brings those back)."""
+        store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+
+        def alive(handle: Any, tokens: Any) -> int:
+            if store is not None and handle in store:
+                return len(tokens)
+            return self._cached_len(cache, array("q", tokens.tolist()), namespace)
+
+        return alive
+
     @staticmethod
     def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
