@@ -22,6 +22,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.adversarial",
         "Donor lookups on adversarial token streams against the lookup budget.",
     ),
+    "load": (
+        "semblend_sglang.bench.load",
+        "Concurrent clients vs vanilla and semblend: throughput, TTFT p50/p99, errors, memory.",
+    ),
     "kernels": ("semblend_sglang.bench.kernels", "transfer_kv bandwidth against a plain copy."),
     "semantic": (
         "semblend_sglang.bench.semantic",
