@@ -71,6 +71,8 @@ class PassResult:
     errors: int = 0
     aborted: int = 0
     flushes: int = 0
+    flushed_after_drain: bool = False
+    """No flush was applied while requests ran (the server never idled); one was after."""
     seconds: float = 0.0
     error_samples: list[str] = field(default_factory=list)
 
@@ -158,7 +160,24 @@ def run_pass(
     stop.set()
     if flusher.ident is not None:
         flusher.join(timeout=60.0)
+        if not result.flushes:  # saturated: no idle moment came while requests ran
+            result.flushed_after_drain = _flush_when_drained(url)
     return result
+
+
+def _flush_when_drained(url: str, seconds: float = 30.0) -> bool:
+    """One ``/flush_cache`` once the pass's requests are done (True when SGLang applied it)."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(url + "/flush_cache", timeout=60.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def rss_mib(pid: int) -> float:
@@ -225,6 +244,7 @@ def summarize(result: PassResult) -> dict[str, Any]:
         "errors": result.errors,
         "aborted": result.aborted,
         "flushes": result.flushes,
+        "flushed_after_drain": result.flushed_after_drain,
         "seconds": result.seconds,
         "error_samples": result.error_samples,
     }
