@@ -14,8 +14,6 @@ from abc import abstractmethod
 from collections.abc import Hashable
 from typing import Any
 
-import torch
-
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.plan import Reason
@@ -86,14 +84,13 @@ class HookedAdapter(SglangAdapter):
         self._own_attention_hooks = not attention.hooks_installed("torch_native")
         attention.install_attention_hooks(triton=triton)
 
+    @abstractmethod
     def _match_donor(
         self, cache: Any, state: RequestReuse, handle: Hashable, donor_end: int
     ) -> tuple[str | None, DonorSlots | None]:
         """Where donor ``handle``'s KV for its positions [0, donor_end) is, for
         :func:`.one_pass.load_batch_spans`: ``(None, DonorSlots)``, or ``(reason, None)`` when it
-        is not on the device (the donor forgotten when its KV is gone for good). Adapters that
-        install :meth:`_one_pass_wrappers` override it."""
-        raise NotImplementedError
+        is not on the device (the donor forgotten when its KV is gone for good)."""
 
     @abstractmethod
     def _cache_supported(self, cache: Any) -> bool:
@@ -220,35 +217,3 @@ class HookedAdapter(SglangAdapter):
             for req in batch.reqs:
                 if runtime.state_of(req.rid) is not None:
                     runtime.fail("load", exc, req.rid)
-
-
-def copy_span_kv(
-    cache: Any, src: torch.Tensor, state: RequestReuse, row: int, spec: RopeSpec
-) -> torch.Tensor | None:
-    """Give the request (req_to_token row ``row``) new slots of its own for the current span
-    [a', b') of ``state`` and fill them with the donor slots ``src``' K (rotated by the span's
-    delta) and V; write them into the row. Returns the new slots, or None when the allocator
-    has no room even after evicting. The caller holds a lock on the donor's path. On an error
-    the new slots are freed and the error propagates."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-    from semblend_sglang.kernels import transfer_kv_sglang
-
-    allocator = cache.token_to_kv_pool_allocator
-    pool = allocator.get_kvcache()
-    n = state.reused_tokens
-    if allocator.available_size() < n:
-        evict_from_tree_cache(cache, n)
-    dst = allocator.alloc(n)
-    if dst is None:
-        return None
-    try:
-        deltas = torch.full((n,), state.delta, dtype=torch.int64, device=src.device)
-        transfer_kv_sglang(pool.k_buffer, pool.v_buffer, src.to(dst.device), dst, deltas, spec)
-        if dst.is_cuda:
-            torch.cuda.current_stream(dst.device).synchronize()
-        cache.req_to_token_pool.write((row, slice(state.boundary, state.end)), dst.to(torch.int32))
-    except BaseException:
-        allocator.free(dst)
-        raise
-    return dst
