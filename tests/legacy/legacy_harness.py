@@ -136,6 +136,10 @@ class _SchedulerView:
             send_to_tokenizer=SimpleNamespace(send_output=lambda *a, **k: self.sent.append(a))
         )
         self.grammar_manager = SimpleNamespace(abort_requests=lambda _req: None)
+        # read by 0.5.18's abort_request: no diffusion LLM, one pipeline stage
+        self.dllm_config = None
+        self.ps = SimpleNamespace(pp_size=1)
+        self.last_batch = None
         self._pending_chunked_abort_req = None
 
 
