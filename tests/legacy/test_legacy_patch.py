@@ -155,6 +155,50 @@ def test_materialized_slots_hold_the_donors_kv_rotated_by_the_shift(
     _assert_drained(h)  # type: ignore[arg-type]
 
 
+def test_first_copy_at_a_chunk_start_and_inside_a_chunk_publish_the_same_exact_head(
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """The publish cap c (first copied position) inside the chunk that copies (the head
+    [prefix, c) computed in the same pass: cache_unfinished_req inserts T[0:c) itself), and c at
+    the start of a chunk (the previous chunk already published T[0:c): nothing more is
+    inserted). Both leave exactly T[0:c) in the tree, the tree locked at c, and the request's
+    own slots after it."""
+    target_tokens = instructions[2] + _document(passages, 5, 6)
+
+    def run(chunk: int) -> tuple[LegacyCacheHarness, Any, Any]:
+        unpatch_radix_cache()
+        adapter = patch_radix_cache(CONFIG)
+        h = LegacyCacheHarness(
+            HarnessConfig(pool_tokens=8192, chunked_prefill_size=chunk), model_config
+        )
+        h.submit(instructions[0] + _document(passages, 5, 6))
+        h.run_until_idle()
+        target = h.submit(target_tokens, max_new_tokens=2)
+        runtime = adapter.runtime  # type: ignore[union-attr]
+        _step_until(h, lambda: _materialized(runtime, target.rid))
+        state = runtime.requests[target.rid]
+        cap = state.publish_cap
+        assert int(target.cache_protected_len) == cap  # the tree holds T[0:c), locked at c
+        assert _donor_path(h, target_tokens).numel() == cap
+        assert _check_loaded_kv(h, runtime, target) == state.reused_total
+        h.run_until_idle()
+        check_invariants(h, full_kv=True)
+        assert _donor_path(h, target_tokens).numel() == cap  # still: nothing after c published
+        _assert_drained(h)  # type: ignore[arg-type]
+        return h, target, state
+
+    try:
+        _, _, state = run(256)
+        cap, exact = state.publish_cap, state.plan.exact_len
+        assert exact < cap < exact + 256  # the first copy inside the first chunk
+        _, _, state = run(cap - exact)  # the first chunk ends exactly at c
+        assert state.publish_cap == cap
+    finally:
+        unpatch_radix_cache()
+
+
 def test_exact_repeat_after_a_semantic_hit_is_not_served_from_reused_kv(
     adapter: Any,
     model_config: Any,
