@@ -1,24 +1,30 @@
 """What the method-wrapping adapters (0.5.21+ ``unified``, 0.5.15-0.5.18 ``legacy``) share: the
 per-process runtime, install/remove bookkeeping, the first lookup of a request, donor
-registration, and the K/V copy into a request's own slots.
+registration, and the one-pass sparse extend (the ``ScheduleBatch.prepare_for_extend`` and
+``ForwardBatch.init_new`` wrappers around :mod:`.one_pass`, and the attention-backend check).
 
-Subclasses supply the version-specific hooks; nothing here imports sglang at module level.
+Subclasses supply the version-specific hooks, the donor match and the :class:`.one_pass.BatchFields`
+of their versions; nothing here imports sglang at module level.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
+from collections.abc import Hashable
 from typing import Any
-
-import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.plan import Reason
 
+from . import attention, one_pass
 from .adapter import Originals, SglangAdapter, Wrappers, install_wrappers, restore
+from .one_pass import BatchFields, DonorSlots
 from .request_info import eligible, namespace_for, served_model_path
 from .runtime import RequestReuse, SemblendRuntime
+
+logger = logging.getLogger(__name__)
 
 RUNTIME_ATTR = "_semblend_runtime"
 """Attribute of the hooked tree class that holds the installed adapter's runtime."""
@@ -29,8 +35,17 @@ class HookedAdapter(SglangAdapter):
 
     Subclasses build their wrappers in ``apply`` and hand them to :meth:`_install`; ``remove``
     restores every original. Their hooks call :meth:`_plan` on a request's first match,
-    :meth:`_register_donor` once its prompt is published.
+    :meth:`_register_donor` once its prompt is published; :meth:`_one_pass_wrappers` gives the
+    wrappers that copy each batch's reused spans (:meth:`_load`) and give the computed tokens
+    their true positions.
     """
+
+    batch_fields: BatchFields = one_pass.UNIFIED_FIELDS
+    """How this adapter's sglang versions name a request's row, its chunk end and tree locks."""
+
+    backend_ok: bool | None = None
+    """Whether the model runner's attention backend runs a sparse extend (None until the first
+    forward shows it; the configured backend's name decides until then, where known)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -56,6 +71,26 @@ class HookedAdapter(SglangAdapter):
             if getattr(tree, RUNTIME_ATTR, None) is self.runtime:
                 delattr(tree, RUNTIME_ATTR)
         self._originals.clear()
+        if self._own_attention_hooks:
+            attention.remove_attention_hooks()
+            self._own_attention_hooks = False
+
+    _own_attention_hooks = False
+
+    def _install_attention_hooks(self, *, triton: bool) -> None:
+        """Install :mod:`.attention`'s torch_native hooks (and triton's when ``triton``); they
+        are removed with this adapter unless something else (the CPU plugin) installed them
+        first."""
+        self._own_attention_hooks = not attention.hooks_installed("torch_native")
+        attention.install_attention_hooks(triton=triton)
+
+    @abstractmethod
+    def _match_donor(
+        self, cache: Any, state: RequestReuse, handle: Hashable, donor_end: int
+    ) -> tuple[str | None, DonorSlots | None]:
+        """Where donor ``handle``'s KV for its positions [0, donor_end) is, for
+        :func:`.one_pass.load_batch_spans`: ``(None, DonorSlots)``, or ``(reason, None)`` when it
+        is not on the device (the donor forgotten when its KV is gone for good)."""
 
     @abstractmethod
     def _cache_supported(self, cache: Any) -> bool:
@@ -126,34 +161,86 @@ class HookedAdapter(SglangAdapter):
         if published_len >= end >= self.config.min_prompt_tokens and eligible(req):
             self.runtime.register_donor(namespace_for(req), req.rid, list(prompt[:end]))
 
+    # ----------------------------------------------------------------- one-pass sparse extend
+    def _one_pass_wrappers(self, schedule_batch: type, forward_batch: type) -> Wrappers:
+        """Wrappers of ``ScheduleBatch.prepare_for_extend`` (the copy, after sglang laid the
+        batch's rows out) and of the classmethod ``ForwardBatch.init_new`` (the first forward
+        learns the attention backend; a batch with sparse requests gets their true positions)."""
+        adapter = self
+        runtime = self.runtime
+        orig_prepare = schedule_batch.prepare_for_extend
+        orig_init_new = forward_batch.init_new  # bound to ForwardBatch (a classmethod)
 
-def copy_span_kv(
-    cache: Any, src: torch.Tensor, state: RequestReuse, row: int, spec: RopeSpec
-) -> torch.Tensor | None:
-    """Give the request (req_to_token row ``row``) new slots of its own for the current span
-    [a', b') of ``state`` and fill them with the donor slots ``src``' K (rotated by the span's
-    delta) and V; write them into the row. Returns the new slots, or None when the allocator
-    has no room even after evicting. The caller holds a lock on the donor's path. On an error
-    the new slots are freed and the error propagates."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
+        def prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> Any:
+            one_pass.clear(self)
+            out = orig_prepare(self, *args, **kwargs)
+            runtime.guarded("load", None, None, adapter._load, self)
+            return out
 
-    from semblend_sglang.kernels import transfer_kv_sglang
+        def init_new(cls: Any, batch: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+            if adapter.backend_ok is None:  # the first forward: learn the backend instance
+                runtime.guarded("backend", None, None, adapter._check_backend, model_runner)
+            ret = orig_init_new(batch, model_runner, *args, **kwargs)
+            if getattr(batch, one_pass.SPARSE_ATTR, None) and ret.positions is not None:
+                if ret.forward_mode.is_decode_or_idle():
+                    one_pass.clear(batch)
+                else:
+                    ret.positions = one_pass.forward_positions(batch, ret.positions)
+            return ret
 
-    allocator = cache.token_to_kv_pool_allocator
-    pool = allocator.get_kvcache()
-    n = state.reused_tokens
-    if allocator.available_size() < n:
-        evict_from_tree_cache(cache, n)
-    dst = allocator.alloc(n)
-    if dst is None:
-        return None
-    try:
-        deltas = torch.full((n,), state.delta, dtype=torch.int64, device=src.device)
-        transfer_kv_sglang(pool.k_buffer, pool.v_buffer, src.to(dst.device), dst, deltas, spec)
-        if dst.is_cuda:
-            torch.cuda.current_stream(dst.device).synchronize()
-        cache.req_to_token_pool.write((row, slice(state.boundary, state.end)), dst.to(torch.int32))
-    except BaseException:
-        allocator.free(dst)
-        raise
-    return dst
+        return {
+            (schedule_batch, "prepare_for_extend"): prepare_for_extend,
+            (forward_batch, "init_new"): classmethod(init_new),
+        }
+
+    def _check_backend(self, model_runner: Any) -> None:
+        """Set :attr:`backend_ok` from the model runner's attention backend (logged once when it
+        cannot run a sparse extend: every plan is declined from then on)."""
+        backend = getattr(model_runner, "attn_backend", None)
+        self.backend_ok = backend is None or attention.sparse_extend_supported(backend)
+        if not self.backend_ok:
+            logger.warning(
+                "semblend: attention backend %s cannot run a sparse extend; every plan is "
+                "declined as %s",
+                type(backend).__name__,
+                Reason.UNSUPPORTED_CACHE,
+            )
+
+    def _load(self, batch: Any) -> None:
+        """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`). An
+        error leaves the batch as sglang built it and makes its planned requests cold
+        fallbacks."""
+        runtime = self.runtime
+        if not runtime.has_plans or all(runtime.state_of(r.rid) is None for r in batch.reqs):
+            return
+        spec = self.rope_spec()
+        cache = batch.tree_cache
+        if spec is None or cache is None:
+            for req in batch.reqs:
+                state = runtime.state_of(req.rid)
+                if state is not None and not state.reused_any:
+                    runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
+            return
+        before = {r.rid: s.reused_total for r in batch.reqs if (s := runtime.state_of(r.rid))}
+        try:
+            one_pass.load_batch_spans(
+                runtime, cache, batch, self._match_donor, spec, self.batch_fields
+            )
+        except Exception as exc:  # the batch is unchanged: its requests compute every position
+            for req in batch.reqs:
+                if runtime.state_of(req.rid) is not None:
+                    runtime.fail("load", exc, req.rid)
+            return
+        if self.config.report_reuse_to_client:
+            self._report_reused(batch, before)
+
+    def _report_reused(self, batch: Any, before: dict[str, int]) -> None:
+        """``report_reuse_to_client``: add the tokens this chunk copied to each request's
+        ``cached_tokens`` (sglang counted the chunk's exact prefix already)."""
+        for req in batch.reqs:
+            state = self.runtime.state_of(req.rid)
+            copied = 0 if state is None else state.reused_total - before.get(req.rid, 0)
+            if copied > 0:
+                req.cached_tokens += copied
+                if hasattr(req, "cached_tokens_device"):
+                    req.cached_tokens_device += copied

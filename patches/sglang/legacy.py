@@ -7,22 +7,30 @@ prefill) and ``cache_finished_req`` (release). From 0.5.19 on the default tree i
 ``UnifiedRadixCache`` even though ``hiradix_cache.py`` still ships (docs/sglang-legacy.md), so this
 adapter does not claim those versions.
 
-exact_spans, per request T with exact hit m and plan [a', b') <- donor [a0', b0'), as in the
-0.5.21+ adapter (:mod:`.unified`):
+exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- donor_i, the same
+one-pass sparse extend as the 0.5.21+ adapter (:mod:`.unified`, :mod:`.one_pass`):
 
 1. ``RadixCache.match_prefix`` / ``HiRadixCache.match_prefix``: the original runs and its result is
    returned unchanged; the provider is asked once per request id.
-2. ``PrefillAdder.add_one_req`` / ``add_chunked_req``: the prefill chunk that would cross a' is cut
-   at a' (the request becomes the scheduler's chunked request), so it first computes T[m:a').
-3. ``cache_unfinished_req`` of the chunk ending at a' (the scheduler stashing it): T[0:a') is
-   published by the original; then the donor's path is re-matched and locked, the request gets new
-   slots of its own for [a', b'), the fused kernel copies the donor's K (rotated by a' - a0') and
-   V into them, and ``req.prefix_indices`` grows to b'. The scheduler computes T[b':n].
-4. Every later ``cache_unfinished_req`` of that request inserts nothing (its tree part stays
-   T[0:a')), and ``cache_finished_req`` first frees the request's own slots [a', end) and then lets
-   the original publish only T[0:a'): reused KV, and everything computed after it, never reaches
-   the tree, and no slot is owned twice.
-5. A request whose prompt is published becomes a donor (the provider keeps its token ids).
+2. The request is admitted like any other (no chunk cut). ``ScheduleBatch.prepare_for_extend``
+   lays its row out in position order with fresh slots for [m, extend_range.end); after it,
+   :func:`.one_pass.load_batch_spans` copies every span of the chunk from its donor into those
+   slots (K rotated by the span's delta, the whole batch in one kernel launch) and drops the copied
+   positions from the batch's computed tokens. 0.5.15 - 0.5.18 have the same batch fields as
+   0.5.23 (``prefill_input_ids_cpu``, ``out_cache_loc``, ``extend_lens``, ...); only a request's
+   row (``req.req_pool_idx``), its chunk end (``req.extend_range.end``) and the tree's locks
+   (``inc_lock_ref`` / ``dec_lock_ref`` by node) are named differently (:data:`LEGACY_FIELDS`).
+3. ``ForwardBatch.init_new`` (which takes the ``ScheduleBatch`` itself in these versions too)
+   gives the computed tokens their true positions; torch_native's extend masks by position
+   (:mod:`.attention`; its backend file is the same in 0.5.15 - 0.5.18 as in 0.5.23).
+4. Publish cap c (the first copied position): ``cache_unfinished_req`` lets the original insert
+   T[0:c) only (when it is not in the tree yet) and carries the rest of the row as the request's
+   own prefix for its next chunk; ``cache_finished_req`` first frees the request's own slots
+   [c, end) and then lets the original handle T[0:c) only. Reused KV, and everything computed
+   after it, never reaches the tree, and no slot is owned twice.
+5. A request whose prompt is published becomes a donor (the provider keeps its token ids); one
+   that reused KV donates its exact head T[0:c). (The held-donor store of the 0.5.21+ adapter is
+   not ported: SGLang frees a recipient's slots after c at release.)
 
 substitute (opt-in): ``Scheduler._add_request_to_queue`` rewrites an arriving request's prompt to
 ``D[:a0] + T[a:]`` exactly as in :mod:`.unified`; the hooks above stand aside for such requests.
@@ -38,7 +46,6 @@ makes it a cold fallback; the request continues normally.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from array import array
@@ -50,20 +57,16 @@ from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from .hooked_adapter import HookedAdapter, copy_span_kv
-from .runtime import RequestReuse, ReuseState
-from .scheduler_hooks import (
-    wrap_add_chunked_req,
-    wrap_add_request_to_queue,
-    wrap_get_internal_state,
-)
+from .hooked_adapter import HookedAdapter
+from .one_pass import BatchFields, DonorSlots
+from .runtime import RequestReuse
+from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
 from .substitute import substitute_request
 
 logger = logging.getLogger(__name__)
 
 _OTHER_TREE_ENV = ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE")
 """sglang env variables that make these versions build a tree this adapter does not hook."""
-_CUT_ATTR = "_semblend_cut_at_boundary"
 
 FIRST_VERSION = "0.5.15"
 """Oldest sglang this adapter serves (tests/legacy verified 0.5.15, 0.5.16, 0.5.17, 0.5.18)."""
@@ -109,6 +112,28 @@ def _set_kv_lens(req: Any, n: int) -> None:
         req.kv_allocated_len = n
 
 
+def _lock_node(cache: Any, node: Any) -> Any:
+    """Protect ``node``'s path from eviction (legacy trees lock by node; the node is the
+    receipt)."""
+    cache.inc_lock_ref(node)
+    return node
+
+
+def _unlock_node(cache: Any, node: Any) -> None:
+    """Undo :func:`_lock_node`."""
+    cache.dec_lock_ref(node)
+
+
+LEGACY_FIELDS = BatchFields(
+    row_of=lambda req: int(req.req_pool_idx),
+    extend_end=lambda req: int(req.extend_range.end),
+    lock=_lock_node,
+    unlock=_unlock_node,
+)
+"""sglang 0.5.15 - 0.5.18: ``req.req_pool_idx``, ``req.extend_range.end``, ``inc_lock_ref`` /
+``dec_lock_ref`` by node."""
+
+
 def _match_len(result: Any) -> int:
     """Tokens a legacy ``MatchResult`` covers: device slots plus the host-resident tail."""
     return len(result.device_indices) + int(getattr(result, "host_hit_length", 0) or 0)
@@ -118,11 +143,10 @@ class LegacyRadixCacheAdapter(HookedAdapter):
     """Hooks for sglang 0.5.15 - 0.5.18 (``RadixCache`` / ``HiRadixCache``)."""
 
     name = "legacy-radix-cache"
+    batch_fields = LEGACY_FIELDS
 
     def __init__(self, config: Config) -> None:
-        # One span from one donor: 0.5.15's batch preparation is served by the two-phase
-        # chunk cut (docs/sglang-legacy.md says why it has no one-pass form here).
-        super().__init__(dataclasses.replace(config, strict_prefix_boundary=True))
+        super().__init__(config)
         self._served: tuple[type, ...] = ()
 
     @classmethod
@@ -135,9 +159,10 @@ class LegacyRadixCacheAdapter(HookedAdapter):
     def apply(self) -> None:
         if self._originals:
             return
-        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.mem_cache.radix_cache import RadixCache
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
         adapter = self
         runtime = self.runtime
@@ -145,8 +170,6 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         self._served = served
         orig_unfinished = RadixCache.cache_unfinished_req
         orig_finished = RadixCache.cache_finished_req
-        orig_add_one = PrefillAdder.add_one_req
-        orig_add_chunked = PrefillAdder.add_chunked_req
         orig_internal_state = Scheduler.get_internal_state
         orig_add_to_queue = Scheduler._add_request_to_queue
         orig_abort = Scheduler.abort_request
@@ -166,19 +189,30 @@ class LegacyRadixCacheAdapter(HookedAdapter):
 
         def cache_unfinished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             rid = getattr(req, "rid", None)
-            state = runtime.state_of(rid)
-            if (
-                state is not None
-                and state.state is ReuseState.MATERIALIZED
-                and type(self) in served
-            ):
-                adapter._keep_unpublished(self, req)
+            state = runtime.state_of(rid) if type(self) in served else None
+            if state is None or not state.reused_any:
+                orig_unfinished(self, req, *args, **kwargs)
+                if type(self) in served:
+                    end = int(req.extend_range.end)
+                    runtime.guarded(
+                        "cache_unfinished_req", rid, None, adapter._register_donor, req, end
+                    )
                 return
-            orig_unfinished(self, req, *args, **kwargs)
-            if type(self) in served:
-                runtime.guarded(
-                    "cache_unfinished_req", rid, None, adapter._after_unfinished, self, req
-                )
+            cap = state.publish_cap
+            if int(req.cache_protected_len) < cap:
+                # T[protected:c) was computed in this chunk before its first copied position
+                # (exact): the original publishes T[0:c), seeing a fill that ends at c.
+                whole = req.extend_range
+                req.extend_range = whole._replace(end=cap)
+                try:
+                    orig_unfinished(self, req, *args, **kwargs)
+                finally:
+                    req.extend_range = whole
+            runtime.guarded("cache_unfinished_req", rid, None, adapter._keep_unpublished, self, req)
+            # T[0:c) is in the tree now: the request donates that exact head
+            runtime.guarded(
+                "cache_unfinished_req", rid, None, adapter._register_donor, req, cap, cap
+            )
 
         def cache_finished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             if type(self) not in served:
@@ -186,35 +220,16 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 return
             rid = getattr(req, "rid", None)
             state = runtime.state_of(rid)
-            materialized = state is not None and state.state is ReuseState.MATERIALIZED
+            cap = state.publish_cap if state is not None and state.reused_any else None
             is_insert = kwargs.get("is_insert", args[0] if args else True)
             published = bool(is_insert) and not getattr(self, "disable_finished_insert", False)
             committed = int(kwargs.get("kv_len_to_handle", getattr(req, "kv_committed_len", 0)))
-            if materialized:
-                adapter._drop_unpublished(self, req, state, kwargs)
+            if cap is not None:
+                adapter._drop_unpublished(self, req, cap, kwargs)
+                committed = min(committed, cap)
             orig_finished(self, req, *args, **kwargs)
-            register = published and not materialized
             runtime.guarded(
-                "release", None, None, adapter._after_finished, req, register, committed
-            )
-
-        def add_one_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(self, _CUT_ATTR, False):
-                # A chunk was cut short at a reuse boundary in this step: admit nothing more,
-                # as SGLang does after a chunked request (it tracks one chunked request).
-                return AddReqResult.OTHER
-            result = orig_add_one(self, req, *args, **kwargs)
-            has_chunked = bool(kwargs.get("has_chunked_req", args[0] if args else False))
-            return runtime.guarded(
-                "admission",
-                getattr(req, "rid", None),
-                result,
-                adapter._cut_admission,
-                self,
-                req,
-                result,
-                has_chunked,
-                AddReqResult,
+                "release", None, None, adapter._after_finished, req, published, committed, cap
             )
 
         def abort_request(self: Any, recv_req: Any) -> Any:
@@ -235,10 +250,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
             {
                 (RadixCache, "cache_unfinished_req"): cache_unfinished_req,
                 (RadixCache, "cache_finished_req"): cache_finished_req,
-                (PrefillAdder, "add_one_req"): add_one_req,
-                (PrefillAdder, "add_chunked_req"): wrap_add_chunked_req(
-                    orig_add_chunked, runtime, adapter._cut_continuation
-                ),
+                **self._one_pass_wrappers(ScheduleBatch, ForwardBatch),
                 (Scheduler, "abort_request"): abort_request,
                 (Scheduler, "get_internal_state"): wrap_get_internal_state(
                     orig_internal_state, runtime
@@ -249,6 +261,10 @@ class LegacyRadixCacheAdapter(HookedAdapter):
             }
         )
         self._install(replacements)
+        # torch_native only: these versions' TritonAttnBackend has no _forward_extend_kernel
+        # (0.5.15 triton_backend.py:1201 calls extend_attention_fwd directly), so a triton
+        # backend fails sparse_extend_supported and every plan is declined (unsupported_cache).
+        self._install_attention_hooks(triton=False)
         for name in _OTHER_TREE_ENV:
             if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
                 logger.warning(
@@ -275,64 +291,8 @@ class LegacyRadixCacheAdapter(HookedAdapter):
             type(cache) in self._served
             and not getattr(cache, "is_eagle", False)
             and self._pool_supported(cache)
+            and self.backend_ok is not False
         )
-
-    # ----------------------------------------------------------------- 2. chunk at a'
-    def _cut_admission(
-        self, adder: Any, req: Any, result: Any, has_chunked: bool, add_req_result: Any
-    ) -> Any:
-        state = self.runtime.state_of(req.rid)
-        if state is None or state.state is not ReuseState.PLANNED:
-            return result
-        if not adder.can_run_list or adder.can_run_list[-1] is not req:
-            return result  # not admitted in this step; matched again in the next
-        start = len(req.prefix_indices)
-        end = int(req.extend_range.end)
-        if state.boundary <= start:
-            self.runtime.decline(req.rid, Reason.SPANS_TRIMMED_AWAY)
-            return result
-        if state.boundary >= end:
-            if adder.new_chunked_req is req:
-                state.cut_at_head()  # the cut happens in a later chunk
-            return result
-        if has_chunked or (adder.new_chunked_req is not None and adder.new_chunked_req is not req):
-            self.runtime.decline(req.rid, Reason.CHUNK_SLOT_BUSY)
-            return result
-        req.set_extend_range(start, state.boundary)
-        adder.new_chunked_req = req
-        state.cut_at_head()
-        setattr(adder, _CUT_ATTR, True)
-        return add_req_result.OTHER
-
-    def _cut_continuation(self, adder: Any, req: Any, out: Any) -> Any:
-        state = self.runtime.state_of(req.rid)
-        if state is None or state.state is not ReuseState.HEAD:
-            return out
-        start = len(req.prefix_indices)
-        if start < state.boundary < int(req.extend_range.end):
-            req.set_extend_range(start, state.boundary)
-            setattr(adder, _CUT_ATTR, True)
-            return req
-        return out
-
-    # ----------------------------------------------------------------- 3. materialize
-    def _after_unfinished(self, cache: Any, req: Any) -> None:
-        runtime = self.runtime
-        state = runtime.state_of(req.rid)
-        end = int(req.extend_range.end)
-        if state is not None and state.state is ReuseState.HEAD and end == state.boundary:
-            if (
-                req.finished()
-                or len(req.prefix_indices) != state.boundary
-                or int(req.cache_protected_len) != state.boundary
-            ):
-                runtime.decline(req.rid, Reason.ENGINE_DECLINED)
-                return
-            self._materialize(cache, req, state)
-            return
-        if state is not None and state.state is ReuseState.MATERIALIZED:
-            return
-        self._register_donor(req, end)
 
     def _after_abort(self, waiting_before: list[Any], waiting_after: list[Any]) -> None:
         """Requests that ``abort_request`` took out of the waiting queue: drop their plans."""
@@ -341,98 +301,87 @@ class LegacyRadixCacheAdapter(HookedAdapter):
             if id(req) not in still:
                 self.runtime.abort(req.rid)
 
-    def _after_finished(self, req: Any, register: bool, committed: int) -> None:
-        """After ``cache_finished_req``: a request whose prompt was published becomes a donor;
-        its state is dropped (also when registering fails)."""
-        try:
-            if register:
-                self._register_donor(req, committed)
-        finally:
-            self.runtime.release(req.rid)
-
-    def _materialize(self, cache: Any, req: Any, state: RequestReuse) -> None:
+    # ----------------------------------------------------------------- 2. copy (one_pass)
+    def _match_donor(
+        self, cache: Any, state: RequestReuse, handle: Any, donor_end: int
+    ) -> tuple[str | None, DonorSlots | None]:
+        """Where donor ``handle``'s KV for its positions [0, donor_end) is: its tokens matched
+        in the tree with the original ``match_prefix`` (which may split a node; slots do not
+        move). (donor_on_host, None) when HiCache holds the rest in host memory (the donor is
+        kept: it is used again once SGLang's own load-back, an exact hit on it, brings it to the
+        device); (donor_evicted, None) when it is gone, and the donor is forgotten."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         runtime = self.runtime
-        rid = req.rid
-        plan = state.plan
-        donor = runtime.donor_tokens(plan.donor_handle)
-        donor_end = state.donor_start + state.reused_tokens
+        donor = runtime.donor_tokens(handle)
         if donor is None or len(donor) < donor_end:
-            runtime.forget_donor(plan.donor_handle)
-            runtime.decline(rid, Reason.DONOR_EVICTED)
-            return
-        ns = state.namespace
-        key = _radix_key(RadixKey, array("q", donor[:donor_end].tolist()), ns)
+            runtime.forget_donor(handle)
+            return Reason.DONOR_EVICTED, None
+        key = _radix_key(RadixKey, array("q", donor[:donor_end].tolist()), state.namespace)
         found = self._donor_match(cache, MatchPrefixParams(key=key))
         on_device = len(found.device_indices)
         if on_device < donor_end:
             if _match_len(found) >= donor_end:
-                # HiCache holds the rest in host memory: keep the donor; it is used again once
-                # SGLang's own load-back (an exact hit on it) brings it to the device.
-                runtime.decline(rid, Reason.DONOR_ON_HOST)
-                return
-            runtime.forget_donor(plan.donor_handle)
-            runtime.decline(rid, Reason.DONOR_EVICTED)
-            return
-        spec = self.rope_spec()
-        if spec is None:
-            runtime.decline(rid, Reason.UNSUPPORTED_CACHE)
-            return
-        node = found.last_device_node
-        cache.inc_lock_ref(node)
-        try:
-            src = found.device_indices[state.donor_start : donor_end].to(torch.int64)
-            dst = copy_span_kv(cache, src, state, req.req_pool_idx, spec)
-        finally:
-            cache.dec_lock_ref(node)
-        if dst is None:
-            runtime.decline(rid, Reason.NO_CAPACITY)
-            return
-        prefix = req.prefix_indices
-        req.prefix_indices = torch.cat([prefix, dst.to(device=prefix.device, dtype=prefix.dtype)])
-        _set_kv_lens(req, state.end)
-        req.set_extend_range(state.boundary, state.end)
-        state.loaded([(state.span, plan.donor_handle)], state.end)
-        runtime.finish_reuse(rid)
+                return Reason.DONOR_ON_HOST, None
+            runtime.forget_donor(handle)
+            return Reason.DONOR_EVICTED, None
+        path = found.device_indices[:donor_end].to(torch.int64)
+        return None, DonorSlots(path, found.last_device_node)
 
     def _donor_match(self, cache: Any, params: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
         method = type(cache).match_prefix
         return getattr(method, "__wrapped__", method)(cache, params)
 
-    # ----------------------------------------------------------------- 4. never publish a' on
+    # ----------------------------------------------------------------- 3. publish up to the cap
     @staticmethod
     def _keep_unpublished(cache: Any, req: Any) -> None:
-        """``cache_unfinished_req`` of a materialized request: insert nothing, keep the lock on
-        the a' node, and carry the whole row as the request's prefix for its next chunk."""
+        """After ``cache_unfinished_req`` of a request that reused KV (its tree part is T[0:c)
+        now): carry the whole row up to the chunk's end as its prefix for the next chunk; the
+        lock stays on the c node and ``cache_protected_len`` at c."""
         row = cache.req_to_token_pool.req_to_token[req.req_pool_idx, : int(req.extend_range.end)]
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
 
     @staticmethod
-    def _drop_unpublished(
-        cache: Any, req: Any, state: RequestReuse, kwargs: dict[str, Any]
-    ) -> None:
-        """Before ``cache_finished_req`` of a materialized request: free its own slots from a'
-        on and make the original handle T[0:a') only (already in the tree: nothing new is
-        inserted, nothing is freed twice).
+    def _drop_unpublished(cache: Any, req: Any, cap: int, kwargs: dict[str, Any]) -> None:
+        """Before ``cache_finished_req`` of a request that reused KV: free its own slots from
+        the publish cap c on and make the original handle T[0:c) only (inserted now if this
+        chunk computed part of it; nothing after c is inserted, nothing is freed twice).
 
         0.5.15: the original reads ``req.kv_committed_len`` and ``release_kv_cache`` then frees
-        [committed, allocated): free [a', allocated) here and set both lengths to a'.
+        [committed, allocated): free [c, allocated) here and set both lengths to c.
         0.5.16 - 0.5.18: ``release_kv_cache`` passes ``kv_len_to_handle`` and frees
-        [kv_len_to_handle, allocated) itself afterwards: free [a', kv_len_to_handle) here and
-        pass a' instead.
+        [kv_len_to_handle, allocated) itself afterwards: free [c, kv_len_to_handle) here and
+        pass c instead.
         """
         row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
         if "kv_len_to_handle" in kwargs:
             end = int(kwargs["kv_len_to_handle"])
-            kwargs["kv_len_to_handle"] = min(end, state.boundary)
+            kwargs["kv_len_to_handle"] = min(end, cap)
         else:
             end = max(_allocated_len(req), int(req.kv_committed_len))
-            _set_kv_lens(req, state.boundary)
-        if end > state.boundary:
-            cache.token_to_kv_pool_allocator.free(row[state.boundary : end].to(torch.int64))
+            _set_kv_lens(req, cap)
+        if end > cap:
+            cache.token_to_kv_pool_allocator.free(row[cap:end].to(torch.int64))
+
+    def _after_finished(self, req: Any, register: bool, committed: int, cap: int | None) -> None:
+        """After ``cache_finished_req``: a request whose prompt (or, with a publish cap ``cap``,
+        exact head) was published becomes a donor; its state is dropped (also when registering
+        fails). A plan still open with nothing copied (the request was aborted, or retracted,
+        before its last chunk) is declined first: ``aborted``, or ``engine_declined`` for a
+        request that did not finish. 0.5.15 calls nothing else on the tree for an aborted
+        chunked request (``process_pending_chunked_abort``, scheduler.py:2547)."""
+        runtime = self.runtime
+        try:
+            state = runtime.state_of(req.rid)
+            if state is not None and state.open and not state.reused_any:
+                reason = Reason.ABORTED if req.finished() else Reason.ENGINE_DECLINED
+                runtime.decline(req.rid, reason)
+            if register:
+                self._register_donor(req, committed, cap)
+        finally:
+            runtime.release(req.rid)
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:

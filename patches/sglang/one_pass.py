@@ -16,11 +16,16 @@ the final chunk computes the last prompt token (the logits). Positions whose inp
 logprobs are asked for are computed too (sglang reads them as the tail of the computed tokens).
 Donors are locked only for the copy. A donor whose KV left the device costs only its own spans
 (they are computed instead).
+
+The algorithm is the same for every sglang version this package serves; what differs between
+versions (where a request's ``req_to_token`` row and chunk end are, how a tree node is locked) is
+a :class:`BatchFields` the adapter passes in (:data:`UNIFIED_FIELDS` for 0.5.21+, the legacy
+adapter's for 0.5.15 - 0.5.18).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +38,29 @@ from .runtime import RequestReuse, SemblendRuntime
 
 SPARSE_ATTR = "_semblend_sparse_positions"
 """ScheduleBatch attribute: {rid: computed positions (CPU int64)} of its sparse requests."""
+
+
+@dataclass(frozen=True)
+class BatchFields:
+    """How one family of sglang versions names what :func:`load_batch_spans` reads.
+
+    ``row_of(req)``: the request's ``req_to_token`` row; ``extend_end(req)``: the end (exclusive)
+    of the chunk ``prepare_for_extend`` just laid out; ``lock(cache, node)`` protects a donor's
+    tree path from eviction for the copy and returns what ``unlock(cache, receipt)`` takes."""
+
+    row_of: Callable[[Any], int]
+    extend_end: Callable[[Any], int]
+    lock: Callable[[Any, Any], Any]
+    unlock: Callable[[Any, Any], None]
+
+
+UNIFIED_FIELDS = BatchFields(
+    row_of=lambda req: int(req.kv.req_pool_idx),
+    extend_end=lambda req: int(req.extend_end),
+    lock=lambda cache, node: cache.lock(node),
+    unlock=lambda cache, receipt: cache.unlock(receipt),
+)
+"""sglang 0.5.21+: ``req.kv.req_pool_idx``, ``req.extend_end``, ``cache.lock`` / ``unlock``."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +94,16 @@ def load_batch_spans(
     batch: Any,
     match_donor: Any,
     spec: Any,
+    fields: BatchFields = UNIFIED_FIELDS,
 ) -> None:
     """Copy the reused spans of ``batch`` (after ``prepare_for_extend``) and make its extend
     sparse. ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, None)`` when the
     donor's KV is gone, else ``(None, DonorSlots)`` covering its positions [0, donor_end); a
-    span with a position not on the device is computed instead. Requests are declined or
-    completed through ``runtime``. Raises only before anything in the batch was changed (the
-    caller turns it into a cold fallback)."""
-    loads = _collect(runtime, batch)
+    span with a position not on the device is computed instead. ``fields`` reads the
+    version's request and tree names. Requests are declined or completed through ``runtime``.
+    Raises only before anything in the batch was changed (the caller turns it into a cold
+    fallback)."""
+    loads = _collect(runtime, batch, fields)
     if not loads:
         return
     receipts: list[Any] = []
@@ -83,7 +113,7 @@ def load_batch_spans(
     rows = cache.req_to_token_pool.req_to_token
     try:
         for load in loads:
-            row = rows[load.req.kv.req_pool_idx]
+            row = rows[fields.row_of(load.req)]
             by_donor: dict[Hashable, list[Span]] = {}
             for span, donor in load.pieces:
                 by_donor.setdefault(donor, []).append(span)
@@ -94,7 +124,7 @@ def load_batch_spans(
                     load.missed = load.missed or reason or Reason.DONOR_EVICTED
                     continue  # these spans are computed instead
                 if found.node is not None:
-                    receipts.append(cache.lock(found.node))
+                    receipts.append(fields.lock(cache, found.node))
                 for s in spans:
                     src = found.path[s.donor_start : s.donor_end].to(torch.int64)
                     if int(src.numel()) != s.length or bool((src < 0).any()):
@@ -108,19 +138,19 @@ def load_batch_spans(
             _copy(cache, src_parts, dst_parts, delta_parts, spec)
     finally:
         for receipt in receipts:
-            cache.unlock(receipt)
+            fields.unlock(cache, receipt)
     _sparsify(batch, loads)
     for load in loads:
         _settle(runtime, load)
 
 
-def _collect(runtime: SemblendRuntime, batch: Any) -> list[_RequestLoad]:
+def _collect(runtime: SemblendRuntime, batch: Any, fields: BatchFields) -> list[_RequestLoad]:
     loads: list[_RequestLoad] = []
     for i, req in enumerate(batch.reqs):
         state = runtime.state_of(req.rid)
         if state is None or not state.open:
             continue
-        lo, hi = int(batch.prefix_lens[i]), int(req.extend_end)
+        lo, hi = int(batch.prefix_lens[i]), fields.extend_end(req)
         reason = _unsupported_request(req)
         if reason is not None:
             runtime.decline(req.rid, reason)

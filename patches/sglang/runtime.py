@@ -35,12 +35,10 @@ class ReuseState(enum.Enum):
 
     ``PLANNED`` (looked up, nothing copied) -> ``LOADING`` (spans inside the prefill chunks run
     so far were copied; later chunks may copy more) -> ``MATERIALIZED`` (no further span is
-    copied). ``HEAD`` is the legacy adapter's two-phase step (a chunk ends at the span start;
-    the copy happens at its checkpoint). A plan that is declined or fails leaves the runtime.
+    copied). A plan that is declined or fails leaves the runtime.
     """
 
     PLANNED = "planned"
-    HEAD = "head"
     LOADING = "loading"
     MATERIALIZED = "materialized"
 
@@ -80,40 +78,10 @@ class RequestReuse:
 
     # ------------------------------------------------------------- reading
     @property
-    def span(self) -> Span:
-        """The first span (the one-span adapters' only span)."""
-        return self.spans[0]
-
-    @property
-    def boundary(self) -> int:
-        """a' of the first span."""
-        return self.span.target_start
-
-    @property
-    def end(self) -> int:
-        """b' of the first span."""
-        return self.span.target_end
-
-    @property
-    def donor_start(self) -> int:
-        """Where the first span starts in its donor."""
-        return self.span.donor_start
-
-    @property
-    def reused_tokens(self) -> int:
-        """Tokens of the first span."""
-        return self.span.length
-
-    @property
-    def delta(self) -> int:
-        """Position shift applied to the first span's donor keys."""
-        return self.span.delta
-
-    @property
     def publish_cap(self) -> int:
         """The request publishes nothing from here on once it reused KV: the first copied
-        position (the first span's a' before anything was copied)."""
-        return self.boundary if self.first_loaded is None else self.first_loaded
+        position (the first span's start before anything was copied)."""
+        return self.spans[0].target_start if self.first_loaded is None else self.first_loaded
 
     @property
     def reused_any(self) -> bool:
@@ -137,15 +105,10 @@ class RequestReuse:
         return out
 
     # ------------------------------------------------------------- transitions
-    def cut_at_head(self) -> None:
-        """PLANNED -> HEAD: the legacy adapter ends a prefill chunk at the first span."""
-        self._expect(ReuseState.PLANNED, ReuseState.HEAD)
-        self.state = ReuseState.HEAD
-
     def loaded(self, pieces: list[tuple[Span, Hashable]], handled_to: int) -> None:
-        """PLANNED/LOADING/HEAD -> LOADING: ``pieces`` were copied into the request's slots;
+        """PLANNED/LOADING -> LOADING: ``pieces`` were copied into the request's slots;
         target positions below ``handled_to`` are done with."""
-        self._expect(ReuseState.PLANNED, ReuseState.LOADING, ReuseState.HEAD)
+        self._expect(ReuseState.PLANNED, ReuseState.LOADING)
         self.state = ReuseState.LOADING
         self.handled_to = max(self.handled_to, handled_to)
         for span, _ in pieces:

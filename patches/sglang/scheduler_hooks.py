@@ -49,22 +49,6 @@ def wrap_add_request_to_queue(
     return _add_request_to_queue
 
 
-def wrap_add_chunked_req(
-    original: Callable[..., Any],
-    runtime: SemblendRuntime,
-    cut: Callable[[Any, Any, Any], Any],
-) -> Any:
-    """``PrefillAdder.add_chunked_req`` whose result goes through ``cut(adder, req, out)``
-    (the adapter's chunk cut at a reuse boundary); the original's result when ``cut`` fails."""
-
-    def add_chunked_req(self: Any, req: Any) -> Any:
-        out = original(self, req)
-        rid = getattr(req, "rid", None)
-        return runtime.guarded("chunked_admission", rid, out, cut, self, req, out)
-
-    return add_chunked_req
-
-
 def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) -> Any:
     """``Scheduler.__init__`` that, once the scheduler is built, names every server option
     semantic reuse does not support (:func:`.server_options.unsupported_options`) and turns

@@ -40,7 +40,7 @@ from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from . import attention, one_pass
+from . import attention
 from .held_donors import HELD_ATTR, HeldDonorStore
 from .hooked_adapter import HookedAdapter
 from .one_pass import DonorSlots
@@ -154,8 +154,6 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         orig_full_evictable = UnifiedRadixCache.full_evictable_size
         orig_evict = UnifiedRadixCache.evict
         orig_evict_for_alloc = UnifiedRadixCache.evict_for_alloc
-        orig_prepare = ScheduleBatch.prepare_for_extend
-        orig_init_new = ForwardBatch.init_new  # bound to ForwardBatch (a classmethod)
         orig_internal_state = SchedulerInternalStateController.get_internal_state
         orig_add_to_queue = Scheduler._add_request_to_queue
         orig_scheduler_init = Scheduler.__init__
@@ -232,23 +230,6 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             runtime.guarded("reset", None, None, runtime.forget_all_donors)
             return out
 
-        def prepare_for_extend(self: Any) -> Any:
-            one_pass.clear(self)
-            out = orig_prepare(self)
-            runtime.guarded("load", None, None, adapter._load, self)
-            return out
-
-        def init_new(cls: Any, batch: Any, model_runner: Any, **kwargs: Any) -> Any:
-            if adapter.backend_ok is None:  # the first forward: learn the backend instance
-                runtime.guarded("backend", None, None, adapter._check_backend, model_runner)
-            ret = orig_init_new(batch, model_runner, **kwargs)
-            if getattr(batch, one_pass.SPARSE_ATTR, None) and ret.positions is not None:
-                if ret.forward_mode.is_decode_or_idle():
-                    one_pass.clear(batch)
-                else:
-                    ret.positions = one_pass.forward_positions(batch, ret.positions)
-            return ret
-
         replacements = {
             (UnifiedRadixCache, "match_prefix"): match_prefix,
             (UnifiedRadixCache, "checkpoint"): checkpoint,
@@ -260,8 +241,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (UnifiedRadixCache, "full_evictable_size"): full_evictable_size,
             (UnifiedRadixCache, "evict"): evict,
             (UnifiedRadixCache, "evict_for_alloc"): evict_for_alloc,
-            (ScheduleBatch, "prepare_for_extend"): prepare_for_extend,
-            (ForwardBatch, "init_new"): classmethod(init_new),
+            **self._one_pass_wrappers(ScheduleBatch, ForwardBatch),
             (SchedulerInternalStateController, "get_internal_state"): wrap_get_internal_state(
                 orig_internal_state, runtime
             ),
@@ -271,14 +251,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (Scheduler, "__init__"): wrap_scheduler_init(orig_scheduler_init, runtime),
         }
         self._install(replacements)
-        self._own_attention_hooks = not attention.hooks_installed("torch_native")
-        attention.install_attention_hooks()
-
-    def remove(self) -> None:
-        super().remove()
-        if getattr(self, "_own_attention_hooks", False):
-            attention.remove_attention_hooks()
-            self._own_attention_hooks = False
+        self._install_attention_hooks(triton=True)
 
     @classmethod
     def _tree_class(cls) -> type:
@@ -296,51 +269,6 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         return (
             self._pool_supported(cache) and attention_supported() and self.backend_ok is not False
         )
-
-    backend_ok: bool | None = None
-    """Whether the model runner's attention backend runs a sparse extend (None until the first
-    forward shows it; the configured backend's name decides until then)."""
-
-    def _check_backend(self, model_runner: Any) -> None:
-        backend = getattr(model_runner, "attn_backend", None)
-        self.backend_ok = backend is None or attention.sparse_extend_supported(backend)
-        if not self.backend_ok:
-            logger.warning(
-                "semblend: attention backend %s cannot run a sparse extend; every plan is "
-                "declined as %s",
-                type(backend).__name__,
-                Reason.UNSUPPORTED_CACHE,
-            )
-
-    # ----------------------------------------------------------------- 2. copy, sparse extend
-    def _load(self, batch: Any) -> None:
-        """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`)."""
-        runtime = self.runtime
-        if not runtime.has_plans or all(runtime.state_of(r.rid) is None for r in batch.reqs):
-            return
-        spec = self.rope_spec()
-        cache = batch.tree_cache
-        if spec is None or cache is None:
-            for req in batch.reqs:
-                state = runtime.state_of(req.rid)
-                if state is not None and not state.reused_any:
-                    runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
-            return
-        before = {r.rid: s.reused_total for r in batch.reqs if (s := runtime.state_of(r.rid))}
-        try:
-            one_pass.load_batch_spans(runtime, cache, batch, self._match_donor, spec)
-        except Exception as exc:  # the batch is unchanged: its requests compute every position
-            for req in batch.reqs:
-                if runtime.state_of(req.rid) is not None:
-                    runtime.fail("load", exc, req.rid)
-            return
-        if self.config.report_reuse_to_client:
-            for req in batch.reqs:
-                state = runtime.state_of(req.rid)
-                copied = 0 if state is None else state.reused_total - before.get(req.rid, 0)
-                if copied > 0:  # sglang counted this chunk's exact prefix already
-                    req.cached_tokens += copied
-                    req.cached_tokens_device += copied
 
     # ----------------------------------------------------------------- 3. publish
     def _after_checkpoint(self, cache: Any, req: Any, up_to: int) -> None:

@@ -17,8 +17,10 @@ docs/sglang-legacy.md):
   `req.last_node`);
 * `ScheduleBatch.init_new(...).prepare_for_extend()`, i.e. sglang's own `alloc_for_extend`
   (mem_cache/common.py:452), which evicts through `evict_from_tree_cache` when short;
-* the "forward": deterministic KV written into the pool for the extend slots (`cold_kv` of
-  tests/sglang_harness.py, the same chained model);
+* the "forward": deterministic KV written into the pool for the positions the batch computes
+  (`cold_kv` of tests/sglang_harness.py, the same chained model): [prefix_len, extend end), or a
+  sparse request's kept positions (semblend's one-pass extend), with `out_cache_loc`,
+  `prefill_input_ids_cpu` and `extend_lens` checked against them;
 * the prefill result (batch_result_processor.py:218-246): append the next token,
   `update_finish_state`, then `release_kv_cache` (-> `cache_finished_req`) or
   `maybe_cache_unfinished_req` (-> `cache_unfinished_req`);
@@ -134,6 +136,10 @@ class _SchedulerView:
             send_to_tokenizer=SimpleNamespace(send_output=lambda *a, **k: self.sent.append(a))
         )
         self.grammar_manager = SimpleNamespace(abort_requests=lambda _req: None)
+        # read by 0.5.18's abort_request: no diffusion LLM, one pipeline stage
+        self.dllm_config = None
+        self.ps = SimpleNamespace(pp_size=1)
+        self.last_batch = None
         self._pending_chunked_abort_req = None
 
 
@@ -484,8 +490,49 @@ class LegacyCacheHarness:
         return 1000 + h % (self.vocab_size - 2000)
 
     def _forward_extend(self, batch: Any) -> None:
+        """Write KV for the positions the batch computes: [prefix_len, extend_range.end), or, for
+        a sparse request (semblend's one-pass extend), its kept positions in ascending order,
+        each reading the KV stored at the position before it (as tests/sglang_harness.py does
+        for 0.5.23). Checks that ``out_cache_loc`` holds exactly the row's slots at those
+        positions, in batch order, and that ``prefill_input_ids_cpu`` holds their tokens."""
+        from semblend_sglang.patches.sglang.one_pass import SPARSE_ATTR
+
+        sparse = getattr(batch, SPARSE_ATTR, None) or {}
+        expected_loc: list[torch.Tensor] = []
+        expected_ids: list[torch.Tensor] = []
         for req in batch.reqs:
-            self._write_kv(req, len(req.prefix_indices), int(req.extend_range.end))
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            positions = sparse.get(req.rid)
+            if positions is None:
+                positions = torch.arange(len(req.prefix_indices), int(req.extend_range.end))
+            positions = positions.to(torch.int64)
+            expected_loc.append(row[positions].to(torch.int64))
+            fill = torch.tensor(list(req.full_untruncated_fill_ids), dtype=torch.int64)
+            expected_ids.append(fill[positions])
+            runs = torch.tensor_split(
+                positions, (torch.diff(positions) != 1).nonzero().flatten() + 1
+            )
+            for run in runs:
+                if run.numel():
+                    self._write_kv(req, int(run[0]), int(run[-1]) + 1)
+        got = batch.out_cache_loc.to(torch.int64)
+        want = torch.cat(expected_loc) if expected_loc else got
+        ids = batch.prefill_input_ids_cpu
+        want_ids = torch.cat(expected_ids) if expected_ids else ids
+        if not torch.equal(got, want):
+            self.pending_violations.append(
+                InvariantViolation("out_cache_loc is not the row's slots at the computed positions")
+            )
+        elif ids is None or not torch.equal(ids.to(torch.int64), want_ids):
+            self.pending_violations.append(
+                InvariantViolation("prefill_input_ids_cpu is not the computed positions' tokens")
+            )
+        elif int(batch.extend_num_tokens) != int(got.numel()) or sum(batch.extend_lens) != int(
+            got.numel()
+        ):
+            self.pending_violations.append(
+                InvariantViolation("extend_lens / extend_num_tokens disagree with out_cache_loc")
+            )
 
     def _process_prefill_result(self, batch: Any, report: StepReport) -> None:
         from sglang.srt.mem_cache.common import maybe_cache_unfinished_req, release_kv_cache

@@ -74,11 +74,15 @@ def _snapshot(url: str) -> dict[str, Any]:
     return snap
 
 
-def _generate(url: str, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
-    payload = {
+def _generate(
+    url: str, ids: list[int], max_new_tokens: int = 8, extra_key: str | None = None
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
     }
+    if extra_key is not None:  # 0.5.15's /generate has no cache_salt; extra_key is its key
+        payload["extra_key"] = extra_key
     result: dict[str, Any] = http_json(url + "/generate", payload)
     return result
 
@@ -96,14 +100,23 @@ def test_legacy_server_changed_instruction_reuses_the_shared_document(
     first = _generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc)
     before = _snapshot(server.url)
     target = enc(INSTRUCTIONS[1], add_special_tokens=False) + doc
-    second = _generate(server.url, target)
+    second = _generate(server.url, target, max_new_tokens=16)
     after = _snapshot(server.url)
     reused = int(after.get("reused_tokens", 0)) - int(before.get("reused_tokens", 0))
     assert reused >= 0.9 * len(doc), (reused, len(doc), after)
     assert _outcome(after, "materialized") - _outcome(before, "materialized") == 1
-    assert second["meta_info"]["cached_tokens"] >= reused  # SGLang's own count agrees
-    assert second["meta_info"]["completion_tokens"] == 8 and second["text"]
+    # one pass: reuse at another offset is not client-visible, SGLang reports its exact prefix
+    assert second["meta_info"]["cached_tokens"] < 50
+    assert second["meta_info"]["completion_tokens"] == 16 and second["text"]
     assert first["meta_info"]["cached_tokens"] < 50
+    # The same prompt computed cold (another extra_key: no donor, no exact prefix) answers the
+    # same first tokens (the reused document KV attended to another instruction, so greedy
+    # decoding may part later).
+    cold = _generate(server.url, target, max_new_tokens=16, extra_key="cold")
+    assert cold["meta_info"]["cached_tokens"] == 0
+    got, want = second["output_ids"], cold["output_ids"]
+    agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 16)
+    assert agree >= 4, (got, want)
 
     # An exact repeat is not served from the approximate KV: had it been published, the exact
     # prefix would cover the prompt and the provider would route it as "exact".
@@ -111,7 +124,7 @@ def test_legacy_server_changed_instruction_reuses_the_shared_document(
     final = _snapshot(server.url)
     assert _outcome(final, "exact") == _outcome(after, "exact")
     assert _outcome(final, "materialized") == _outcome(after, "materialized") + 1
-    assert repeat["meta_info"]["cached_tokens"] >= reused
+    assert repeat["meta_info"]["cached_tokens"] < 50
     assert final.get("errors", {}) == {}, final
 
 
