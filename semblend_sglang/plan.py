@@ -41,8 +41,6 @@ class Reason(enum.StrEnum):
     PLANNED = "planned"
     ENGINE_DECLINED = "engine_declined"
     UNREPORTED = "unreported"
-    CHUNK_SLOT_BUSY = "chunk_slot_busy"
-    NO_CAPACITY = "no_capacity"
     UNSUPPORTED_CACHE = "unsupported_cache"
     DONOR_ON_HOST = "donor_on_host"
     ABORTED = "aborted"
