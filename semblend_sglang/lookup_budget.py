@@ -13,10 +13,18 @@ so far stands.
 from __future__ import annotations
 
 WORK_UNITS_PER_MS = 1_000_000
-"""Work units in one millisecond of the reference CPU (one unit is about a nanosecond)."""
+"""Work units in one millisecond of the reference CPU (one unit is about a nanosecond). The
+per-step costs below were measured there (2-core AMD EPYC, AVX2, numpy; ``python -m
+semblend_sglang.bench adversarial``): every step is charged at or above its wall time on the
+worst stream, so a lookup's wall time stays within its budget."""
 
-HASH_UNITS_PER_TOKEN = 10
-"""Units per token of a rolling-hash pass (chunking the target, k-grams of a donor)."""
+REGION_UNITS_PER_TOKEN = 15
+"""Units per target token for chunking, anchoring and prefix-hashing the lookup's region."""
+
+DONOR_UNITS_PER_TOKEN = 40
+"""Units per donor token of one alignment's fixed work: the donor's prefix and k-gram hashes,
+one probe of each k-gram in the target's anchor table, and the passes over the donor's tokens
+that follow (measured up to ~38 ns per token on a 100,000-token donor of one repeated token)."""
 
 COMPARE_UNITS_PER_TOKEN = 1
 """Units per token pair of a vectorized diagonal comparison."""
@@ -45,7 +53,7 @@ class LookupBudget:
 
     def region_cost(self, region_tokens: int) -> int:
         """Chunking, anchoring and prefix-hashing a target region of ``region_tokens``."""
-        return 2 * HASH_UNITS_PER_TOKEN * region_tokens
+        return REGION_UNITS_PER_TOKEN * region_tokens
 
     @staticmethod
     def candidates_cost(query_keys: int, postings_per_key: int) -> int:
@@ -59,7 +67,7 @@ class LookupBudget:
         ``donor_tokens`` donor may use (at most ``max_pairs`` and ``max_diagonals``), charged:
         the donor's k-grams first, then half of what is left for anchor pairs and the rest for
         diagonals. None (nothing charged) when not even one pair and one diagonal fit."""
-        fixed = HASH_UNITS_PER_TOKEN * donor_tokens
+        fixed = DONOR_UNITS_PER_TOKEN * donor_tokens
         per_diagonal = COMPARE_UNITS_PER_TOKEN * max(1, min(target_tokens, donor_tokens))
         left = self.remaining - fixed
         if left < ANCHOR_PAIR_UNITS + per_diagonal:

@@ -16,7 +16,12 @@ from prometheus_client import CollectorRegistry
 from semblend_sglang import provider as provider_module
 from semblend_sglang.bench.adversarial import Stream, long_similar, periodic, repeated_token
 from semblend_sglang.config import Config
-from semblend_sglang.lookup_budget import ANCHOR_PAIR_UNITS, WORK_UNITS_PER_MS, LookupBudget
+from semblend_sglang.lookup_budget import (
+    ANCHOR_PAIR_UNITS,
+    DONOR_UNITS_PER_TOKEN,
+    WORK_UNITS_PER_MS,
+    LookupBudget,
+)
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 from semblend_sglang.provider import SemanticProvider
@@ -36,10 +41,11 @@ def test_alignment_limits_shrink_with_what_is_left() -> None:
     budget = LookupBudget(1000.0)
     assert budget.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) == (65536, 256)
     spent = budget.total - budget.remaining
-    assert spent == 10 * 1000 + 65536 * ANCHOR_PAIR_UNITS + 256 * 1000
-    small = LookupBudget(0.05)  # 50,000 units: donor k-grams 10,000, then 20,000 for pairs
+    assert spent == DONOR_UNITS_PER_TOKEN * 1000 + 65536 * ANCHOR_PAIR_UNITS + 256 * 1000
+    small = LookupBudget(0.1)  # donor k-grams first, then half of what is left for pairs
+    left = small.total - DONOR_UNITS_PER_TOKEN * 1000
     pairs, diagonals = small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) or (0, 0)
-    assert pairs == 20_000 // ANCHOR_PAIR_UNITS and 1 <= diagonals <= 256
+    assert pairs == (left // 2) // ANCHOR_PAIR_UNITS and 1 <= diagonals <= 256
     assert 0 <= small.remaining < 1000
     assert small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) is None
 
@@ -136,7 +142,7 @@ def test_a_spent_budget_keeps_the_plan_found_so_far() -> None:
     """On a repeated token the diagonals are cut to what the budget affords; the alignment still
     finds the identical run."""
     stream = repeated_token(12_000)
-    provider = _provider(stream, 0.5)
+    provider = _provider(stream, 1.0)
     decision = provider.lookup(NS, stream.query, 0, None)
     assert decision.kind == "plan"
     assert sum(s.length for s in decision.plan.spans) >= 11_000

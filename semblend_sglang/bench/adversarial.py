@@ -4,9 +4,9 @@ budget (``lookup_budget_ms``).
 Streams (each a donor set and a query): one token repeated 100,000 times; a periodic sequence of
 100,000 tokens; a 2,048-token document shared (after its own 16-token head) by 1,000 donors; a
 100,000-token prompt whose donor differs in its first 16 tokens. Reports, per stream, the lookup
-wall time (p50, p99 over repeats), the budget's work units spent and the decisions. The budget is
-counted in work units, not measured, so a p99 above the budget means the reference rate
-(``WORK_UNITS_PER_MS``) is optimistic for this machine.
+wall time (p50, p99 over repeats), the budget in work units and the decisions. The budget is
+counted in work units, not measured, so a p99 above the budget means the per-step costs of
+:mod:`semblend_sglang.lookup_budget` are optimistic for this machine.
 """
 
 from __future__ import annotations
