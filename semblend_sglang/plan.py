@@ -46,6 +46,7 @@ class Reason(enum.StrEnum):
     ABORTED = "aborted"
     NOT_AT_BOUNDARY = "not_at_boundary"
     LOOKUP_BUDGET = "lookup_budget"
+    RANK_DISAGREEMENT = "rank_disagreement"
     OTHER = "other"
 
 

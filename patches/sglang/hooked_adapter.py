@@ -209,22 +209,29 @@ class HookedAdapter(SglangAdapter):
     def _load(self, batch: Any) -> None:
         """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`). An
         error leaves the batch as sglang built it and makes its planned requests cold
-        fallbacks."""
+        fallbacks. Where other ranks run the batch too, this takes part in their agreement on
+        every prefill batch, planned here or not (:mod:`.rank_agreement`)."""
         runtime = self.runtime
-        if not runtime.has_plans or all(runtime.state_of(r.rid) is None for r in batch.reqs):
+        cache = batch.tree_cache
+        if cache is None:
+            return
+        peers = self.batch_fields.peers(cache)
+        if not peers and (
+            not runtime.has_plans or all(runtime.state_of(r.rid) is None for r in batch.reqs)
+        ):
             return
         spec = self.rope_spec()
-        cache = batch.tree_cache
-        if spec is None or cache is None:
+        if spec is None:
             for req in batch.reqs:
                 state = runtime.state_of(req.rid)
-                if state is not None and not state.reused_any:
+                if state is not None and state.open and not state.reused_any:
                     runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
-            return
+            if not peers:
+                return
         before = {r.rid: s.reused_total for r in batch.reqs if (s := runtime.state_of(r.rid))}
         try:
             one_pass.load_batch_spans(
-                runtime, cache, batch, self._match_donor, spec, self.batch_fields
+                runtime, cache, batch, self._match_donor, spec, self.batch_fields, peers
             )
         except Exception as exc:  # the batch is unchanged: its requests compute every position
             for req in batch.reqs:

@@ -15,7 +15,9 @@ The last position of every chunk is always computed: a chunk never has nothing t
 the final chunk computes the last prompt token (the logits). Positions whose input-token
 logprobs are asked for are computed too (sglang reads them as the tail of the computed tokens).
 Donors are locked only for the copy. A donor whose KV left the device costs only its own spans
-(they are computed instead).
+(they are computed instead). Where ranks run the batch together (tensor- or context-parallel
+attention), what was copied is agreed across them before the batch changes
+(:mod:`.rank_agreement`): a position is reused only where every rank copied it.
 
 The algorithm is the same for every sglang version this package serves; what differs between
 versions (where a request's ``req_to_token`` row and chunk end are, how a tree node is locked) is
@@ -34,6 +36,7 @@ import torch
 from semblend_sglang.align import Span
 from semblend_sglang.plan import Reason
 
+from . import rank_agreement
 from .runtime import RequestReuse, SemblendRuntime
 
 SPARSE_ATTR = "_semblend_sparse_positions"
@@ -46,12 +49,15 @@ class BatchFields:
 
     ``row_of(req)``: the request's ``req_to_token`` row; ``extend_end(req)``: the end (exclusive)
     of the chunk ``prepare_for_extend`` just laid out; ``lock(cache, node)`` protects a donor's
-    tree path from eviction for the copy and returns what ``unlock(cache, receipt)`` takes."""
+    tree path from eviction for the copy and returns what ``unlock(cache, receipt)`` takes;
+    ``peers(cache)``: the CPU process groups of the other ranks that run the cache's batches
+    (empty for one rank; :mod:`.rank_agreement`)."""
 
     row_of: Callable[[Any], int]
     extend_end: Callable[[Any], int]
     lock: Callable[[Any, Any], Any]
     unlock: Callable[[Any, Any], None]
+    peers: Callable[[Any], list[Any]] = rank_agreement.global_attention_peers
 
 
 UNIFIED_FIELDS = BatchFields(
@@ -59,8 +65,10 @@ UNIFIED_FIELDS = BatchFields(
     extend_end=lambda req: int(req.extend_end),
     lock=lambda cache, node: cache.lock(node),
     unlock=lambda cache, receipt: cache.unlock(receipt),
+    peers=rank_agreement.attention_peers,
 )
-"""sglang 0.5.21+: ``req.kv.req_pool_idx``, ``req.extend_end``, ``cache.lock`` / ``unlock``."""
+"""sglang 0.5.21+: ``req.kv.req_pool_idx``, ``req.extend_end``, ``cache.lock`` / ``unlock``, the
+cache's attention CPU groups."""
 
 
 @dataclass(frozen=True)
@@ -95,17 +103,50 @@ def load_batch_spans(
     match_donor: Any,
     spec: Any,
     fields: BatchFields = UNIFIED_FIELDS,
+    peers: list[Any] | None = None,
 ) -> None:
     """Copy the reused spans of ``batch`` (after ``prepare_for_extend``) and make its extend
     sparse. ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, None)`` when the
     donor's KV is gone, else ``(None, DonorSlots)`` covering its positions [0, donor_end); a
     span with a position not on the device is computed instead. ``fields`` reads the
     version's request and tree names. Requests are declined or completed through ``runtime``.
-    Raises only before anything in the batch was changed (the caller turns it into a cold
-    fallback)."""
-    loads = _collect(runtime, batch, fields)
+
+    ``peers`` (``fields.peers(cache)`` when None): the process groups of the ranks that run this
+    batch too. With peers the caller calls this for *every* prefill batch, planned or not, and
+    the copy outcome is agreed across the ranks before the batch changes; an error in the copy
+    is then raised only after that agreement (so that no rank waits on this one), and every rank
+    computes the positions it would have reused. Raises only with the batch unchanged (the
+    caller turns it into a cold fallback)."""
+    if peers is None:
+        peers = fields.peers(cache)
+    loads: list[_RequestLoad] = []
+    failure: Exception | None = None
+    try:
+        loads = _collect(runtime, batch, fields)
+        if loads:
+            _match_and_copy(cache, loads, match_donor, spec, fields)
+    except Exception as exc:
+        if not peers:
+            raise
+        failure = exc
+        for load in loads:
+            load.copied.clear()
+    if peers:
+        _agree(peers, batch, loads)
+    if failure is not None:
+        raise failure
     if not loads:
         return
+    _sparsify(batch, loads)
+    for load in loads:
+        _settle(runtime, load)
+
+
+def _match_and_copy(
+    cache: Any, loads: list[_RequestLoad], match_donor: Any, spec: Any, fields: BatchFields
+) -> None:
+    """Find each load's donors and copy their spans (all in one kernel launch); fills
+    ``load.copied`` and ``load.missed``. Raises before the copy with nothing copied."""
     receipts: list[Any] = []
     src_parts: list[torch.Tensor] = []
     dst_parts: list[torch.Tensor] = []
@@ -139,9 +180,41 @@ def load_batch_spans(
     finally:
         for receipt in receipts:
             fields.unlock(cache, receipt)
-    _sparsify(batch, loads)
+
+
+def _agree(peers: list[Any], batch: Any, loads: list[_RequestLoad]) -> None:
+    """Keep in each load's ``copied`` only the positions every rank copied (sub-spans of its
+    pieces); a load that lost any is marked ``rank_disagreement``."""
+    starts: list[int] = []
+    at = 0
+    for ext in batch.extend_lens:
+        starts.append(at)
+        at += int(ext)
+    mask = torch.zeros(at, dtype=torch.bool)
     for load in loads:
-        _settle(runtime, load)
+        base = starts[load.index] - load.lo
+        for span, _ in load.copied:
+            mask[base + span.target_start : base + span.target_end] = True
+    agreed = rank_agreement.agree_on_copied(peers, mask, any(load.copied for load in loads))
+    for load in loads:
+        base = starts[load.index] - load.lo
+        kept: list[tuple[Span, Hashable]] = []
+        for span, donor in load.copied:
+            ok = agreed[base + span.target_start : base + span.target_end]
+            for a, b in _runs(ok):
+                kept.append((Span(span.target_start + a, span.donor_start + a, b - a), donor))
+        if sum(s.length for s, _ in kept) < sum(s.length for s, _ in load.copied):
+            load.missed = load.missed or Reason.RANK_DISAGREEMENT
+        load.copied = kept
+
+
+def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
+    """The maximal runs [a, b) of True in a 1-D bool tensor."""
+    padded = torch.cat(
+        [torch.zeros(1, dtype=torch.int8), flags.to(torch.int8), torch.zeros(1, dtype=torch.int8)]
+    )
+    edges = torch.nonzero(padded[1:] - padded[:-1]).flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
 def _collect(runtime: SemblendRuntime, batch: Any, fields: BatchFields) -> list[_RequestLoad]:
