@@ -35,6 +35,7 @@ def _server_args(model_dir: Path, **options: Any) -> Any:
         ({"page_size": 16}, "--page-size 16"),
         ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3"),
         ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"),
+        ({"pp_size": 2}, "--pp-size 2"),
     ],
 )
 def test_each_unsupported_option_is_named(

@@ -60,7 +60,11 @@ from semblend_sglang.plan import Reason
 from .hooked_adapter import HookedAdapter
 from .one_pass import BatchFields, DonorSlots
 from .runtime import RequestReuse
-from .scheduler_hooks import wrap_add_request_to_queue, wrap_get_internal_state
+from .scheduler_hooks import (
+    wrap_add_request_to_queue,
+    wrap_get_internal_state,
+    wrap_scheduler_init,
+)
 from .substitute import substitute_request
 
 logger = logging.getLogger(__name__)
@@ -173,6 +177,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         orig_internal_state = Scheduler.get_internal_state
         orig_add_to_queue = Scheduler._add_request_to_queue
         orig_abort = Scheduler.abort_request
+        orig_scheduler_init = Scheduler.__init__
 
         def make_match_prefix(orig_match: Any) -> Any:
             def match_prefix(self: Any, params: Any) -> Any:
@@ -258,6 +263,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 (Scheduler, "_add_request_to_queue"): wrap_add_request_to_queue(
                     orig_add_to_queue, runtime, adapter._substitute
                 ),
+                (Scheduler, "__init__"): wrap_scheduler_init(orig_scheduler_init, runtime),
             }
         )
         self._install(replacements)

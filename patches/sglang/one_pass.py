@@ -124,7 +124,7 @@ def load_batch_spans(
     try:
         loads = _collect(runtime, batch, fields)
         if loads:
-            _match_and_copy(cache, loads, match_donor, spec, fields)
+            _match_and_copy(cache, loads, match_donor, spec, fields, runtime.forward_stream)
     except Exception as exc:
         if not peers:
             raise
@@ -143,10 +143,16 @@ def load_batch_spans(
 
 
 def _match_and_copy(
-    cache: Any, loads: list[_RequestLoad], match_donor: Any, spec: Any, fields: BatchFields
+    cache: Any,
+    loads: list[_RequestLoad],
+    match_donor: Any,
+    spec: Any,
+    fields: BatchFields,
+    forward_stream: Any = None,
 ) -> None:
-    """Find each load's donors and copy their spans (all in one kernel launch); fills
-    ``load.copied`` and ``load.missed``. Raises before the copy with nothing copied."""
+    """Find each load's donors and copy their spans (all in one kernel launch, ordered after
+    ``forward_stream``); fills ``load.copied`` and ``load.missed``. Raises before the copy with
+    nothing copied."""
     receipts: list[Any] = []
     src_parts: list[torch.Tensor] = []
     dst_parts: list[torch.Tensor] = []
@@ -176,7 +182,7 @@ def _match_and_copy(
                     delta_parts.append(torch.full((s.length,), s.delta, dtype=torch.int64))
                     load.copied.append((s, donor))
         if src_parts:
-            _copy(cache, src_parts, dst_parts, delta_parts, spec)
+            _copy(cache, src_parts, dst_parts, delta_parts, spec, forward_stream)
     finally:
         for receipt in receipts:
             fields.unlock(cache, receipt)
@@ -255,6 +261,7 @@ def _copy(
     dst_parts: list[torch.Tensor],
     delta_parts: list[torch.Tensor],
     spec: Any,
+    forward_stream: Any = None,
 ) -> None:
     from semblend_sglang.kernels import transfer_kv_sglang
 
@@ -263,9 +270,23 @@ def _copy(
     src = torch.cat(src_parts).to(device)
     dst = torch.cat(dst_parts).to(device)
     deltas = torch.cat(delta_parts).to(device)
+    if dst.is_cuda:
+        wait_for_forward(forward_stream, dst.device)
     transfer_kv_sglang(pool.k_buffer, pool.v_buffer, src, dst, deltas, spec)
     if dst.is_cuda:
         torch.cuda.current_stream(dst.device).synchronize()
+
+
+def wait_for_forward(forward_stream: Any, device: torch.device) -> None:
+    """Order the copy after everything the engine queued on ``forward_stream`` (with overlap
+    scheduling the previous batch's forward may still be writing a donor's KV, or reading
+    slots sglang freed and handed to this batch): the current stream of ``device`` waits for
+    it on the device, without blocking the host. No-op for None or the current stream."""
+    if forward_stream is None:
+        return
+    current = torch.cuda.current_stream(device)
+    if forward_stream != current:
+        current.wait_stream(forward_stream)
 
 
 def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:

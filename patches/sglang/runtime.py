@@ -173,6 +173,9 @@ class SemblendRuntime:
         """What the adapter's held-donor store did (``held_donors`` in :meth:`snapshot`)."""
         self.refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
+        self.forward_stream: Any = None
+        """The device stream the engine's forward runs on (the scheduler's, set at its start;
+        None on CPU or before): the K/V copy is ordered after it (:mod:`.one_pass`)."""
 
     # ----------------------------------------------------------------- start-up
     def refuse(self, options: list[str]) -> None:

@@ -54,10 +54,12 @@ def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) 
     semantic reuse does not support (:func:`.server_options.unsupported_options`) and turns
     the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`); otherwise the runtime
     takes the model's RoPE from the engine's resolved config
-    (:meth:`SemblendRuntime.use_model_config`)."""
+    (:meth:`SemblendRuntime.use_model_config`). The scheduler's forward stream is handed to the
+    runtime in both cases (the copy waits for it)."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        runtime.forward_stream = getattr(self, "forward_stream", None)
         server_args = getattr(self, "server_args", None)
         model_config = getattr(self, "model_config", None)
         refused = runtime.guarded(

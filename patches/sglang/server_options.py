@@ -18,7 +18,8 @@ def unsupported_options(server_args: Any, model_config: Any = None) -> list[str]
     """One line per option of ``server_args`` (and ``model_config``) that rules reuse out:
     ``--disable-radix-cache`` (no exact cache holds donor KV), speculative decoding (the draft
     model's KV pool is never filled for reused spans), ``--page-size`` > 1 (spans are copied per
-    token), a quantized ``--kv-cache-dtype``, PD disaggregation (the prefill node would send
+    token), a quantized ``--kv-cache-dtype``, pipeline parallelism (the ranks agree on reuse
+    only within an attention group), PD disaggregation (the prefill node would send
     reused KV to a decode node whose cache may insert it as exact), and MLA or sliding-window
     attention, and a RoPE a delta rotation cannot correct (read from the engine's resolved model
     config: ``--json-model-override-args`` and ``--revision`` applied). Empty when every option
@@ -37,6 +38,11 @@ def unsupported_options(server_args: Any, model_config: Any = None) -> list[str]
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto").lower()
     if kv_dtype not in PLAIN_KV_DTYPES:
         out.append(f"--kv-cache-dtype {kv_dtype}: a quantized KV pool is not copied")
+    pp = getattr(server_args, "pp_size", 1)
+    if pp is not None and int(pp) > 1:
+        out.append(
+            f"--pp-size {pp}: pipeline stages would copy their layers' KV without agreeing on it"
+        )
     mode = str(getattr(server_args, "disaggregation_mode", "null") or "null")
     if mode != "null":
         out.append(

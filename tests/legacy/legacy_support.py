@@ -8,6 +8,8 @@ below, so `make test` is unaffected. Importing this module imports no sglang mod
 from __future__ import annotations
 
 import os
+import random
+import socket
 
 from semblend_sglang.patches.sglang.adapter import installed_sglang_version
 from semblend_sglang.patches.sglang.legacy import (
@@ -40,3 +42,18 @@ def use_triton_interpreter() -> None:
     reference for CPU tensors (kernels/dispatch.py "auto"). The page-size-1 path is unaffected.
     """
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def legacy_port() -> int:
+    """A free port below 55000: 0.5.15 refuses to start when port + 10000 (its gRPC port,
+    server_args.py:2997-3004) exceeds 65535, which an OS-assigned port often does."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 55000")

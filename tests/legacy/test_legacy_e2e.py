@@ -8,8 +8,6 @@ unless the installed sglang is a legacy version (`make test-legacy`).
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from legacy_support import legacy_skip_reason
+from legacy_support import legacy_port, legacy_skip_reason
 
 _SKIP = legacy_skip_reason()
 if _SKIP is not None:
@@ -36,21 +34,6 @@ INSTRUCTIONS = (
 )
 
 
-def _port() -> int:
-    """A free port below 55536: 0.5.15 refuses to start when port + 10000 (its gRPC port,
-    server_args.py:2997-3004) exceeds 65535, which an OS-assigned port often does."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 55000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 55000")
-
-
 @pytest.fixture(scope="module")
 def server(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -58,7 +41,7 @@ def server(
     log = tmp_path_factory.mktemp("legacy-server") / "server.log"
     srv = start_server(
         smollm2_model_dir,
-        port=_port(),
+        port=legacy_port(),
         env={"SEMBLEND_ENABLED": "1", "TRITON_INTERPRET": "0"},
         log_path=log,
     )
