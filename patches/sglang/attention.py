@@ -38,6 +38,7 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     SKIP_PREFIX_CUSTOM_MASK,
     build_sparse_extend_metadata,
 )
+from semblend_sglang.plan import Reason
 
 from .adapter import Originals, install_wrappers, restore
 
@@ -407,3 +408,31 @@ def install_cpu_query_only_extend(environ: Mapping[str, str] | None = None) -> b
             "semblend: CPU query-only extend not installed (%s: %s)", type(exc).__name__, exc
         )
         return False
+
+
+def attention_supported() -> bool:
+    """False (logged once) when the server's prefill attention backend cannot run a sparse
+    extend; True when it can or when no server context exists (the cache alone, as in an
+    in-process cache harness)."""
+    global _unsupported_logged
+    try:
+        from sglang.srt.runtime_context import attention_backends
+
+        prefill, _ = attention_backends()
+    except Exception:
+        return True
+    if prefill is None or str(prefill) in SPARSE_EXTEND_BACKENDS:
+        return True
+    if not _unsupported_logged:
+        _unsupported_logged = True
+        logger.warning(
+            "semblend: prefill attention backend %s cannot run a sparse extend (supported: %s); "
+            "every plan is declined as %s",
+            prefill,
+            ", ".join(sorted(SPARSE_EXTEND_BACKENDS)),
+            Reason.UNSUPPORTED_CACHE,
+        )
+    return False
+
+
+_unsupported_logged = False

@@ -17,8 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from semblend_sglang.namespace import Namespace
 
 HELD_ATTR = "_semblend_held_donors"
 """Attribute of a tree-cache instance that holds its :class:`HeldDonorStore`."""
@@ -121,3 +124,30 @@ class HeldDonorStore:
         gone = list(self._entries)
         self.drop_all(gone)
         return gone
+
+
+@dataclass(frozen=True)
+class PendingKeep:
+    """A finished request that reused KV, between its last checkpoint and its row's release:
+    what its held donor entry will be registered as (the adapter's, until ``free_kv_row``)."""
+
+    kv: Any
+    rid: str
+    namespace: Namespace
+    tokens: list[int]
+
+
+def held_store(cache: Any) -> HeldDonorStore:
+    """The :class:`HeldDonorStore` of tree cache ``cache`` (created on first use; it frees into
+    the cache's allocator)."""
+    store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+    if store is None:
+        store = HeldDonorStore(cache.token_to_kv_pool_allocator.free)
+        setattr(cache, HELD_ATTR, store)
+    return store
+
+
+def held_store_tokens(cache: Any) -> int:
+    """Slots held as donor KV outside ``cache``'s tree (0 when it has no store)."""
+    store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+    return 0 if store is None else store.held_tokens

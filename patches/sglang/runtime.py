@@ -173,6 +173,9 @@ class SemblendRuntime:
         """What the adapter's held-donor store did (``held_donors`` in :meth:`snapshot`)."""
         self.refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
+        self.evicted_donors = 0
+        """Donors forgotten when SGLang's eviction freed their KV (``evicted_donors`` in
+        :meth:`snapshot`)."""
         self.forward_stream: Any = None
         """The device stream the engine's forward runs on (the scheduler's, set at its start;
         None on CPU or before): the K/V copy is ordered after it (:mod:`.one_pass`)."""
@@ -197,6 +200,7 @@ class SemblendRuntime:
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
         snap["held_donors"] = dataclasses.asdict(self.held)
+        snap["evicted_donors"] = self.evicted_donors
         return snap
 
     # ----------------------------------------------------------------- donors

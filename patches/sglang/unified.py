@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,11 +40,12 @@ from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from . import attention
-from .held_donors import HELD_ATTR, HeldDonorStore
+from .attention import attention_supported
+from .donor_heads import HEADS_ATTR, DonorHeads
+from .held_donors import HELD_ATTR, HeldDonorStore, PendingKeep, held_store, held_store_tokens
 from .hooked_adapter import HookedAdapter
 from .one_pass import DonorSlots
-from .request_info import eligible
+from .request_info import eligible, namespace_for
 from .runtime import RequestReuse
 from .scheduler_hooks import (
     wrap_add_request_to_queue,
@@ -56,61 +57,6 @@ from .substitute import substitute_request
 logger = logging.getLogger(__name__)
 
 
-def attention_supported() -> bool:
-    """False (logged once) when the server's prefill attention backend cannot run a sparse
-    extend; True when it can or when no server context exists (the cache alone, as in an
-    in-process cache harness)."""
-    global _unsupported_logged
-    try:
-        from sglang.srt.runtime_context import attention_backends
-
-        prefill, _ = attention_backends()
-    except Exception:
-        return True
-    if prefill is None or str(prefill) in attention.SPARSE_EXTEND_BACKENDS:
-        return True
-    if not _unsupported_logged:
-        _unsupported_logged = True
-        logger.warning(
-            "semblend: prefill attention backend %s cannot run a sparse extend (supported: %s); "
-            "every plan is declined as %s",
-            prefill,
-            ", ".join(sorted(attention.SPARSE_EXTEND_BACKENDS)),
-            Reason.UNSUPPORTED_CACHE,
-        )
-    return False
-
-
-_unsupported_logged = False
-
-
-@dataclass(frozen=True)
-class _PendingKeep:
-    """A finished request that reused KV, between its last checkpoint and its row's release:
-    what its held donor entry will be registered as."""
-
-    kv: Any
-    rid: str
-    namespace: Namespace
-    tokens: list[int]
-
-
-def held_store(cache: Any) -> HeldDonorStore:
-    """The :class:`HeldDonorStore` of tree cache ``cache`` (created on first use; it frees into
-    the cache's allocator)."""
-    store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
-    if store is None:
-        store = HeldDonorStore(cache.token_to_kv_pool_allocator.free)
-        setattr(cache, HELD_ATTR, store)
-    return store
-
-
-def held_store_tokens(cache: Any) -> int:
-    """Slots held as donor KV outside ``cache``'s tree (0 when it has no store)."""
-    store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
-    return 0 if store is None else store.held_tokens
-
-
 class UnifiedRadixCacheAdapter(HookedAdapter):
     """Hooks for sglang 0.5.21+ (``UnifiedRadixCache``; Rust or Python tree core)."""
 
@@ -118,7 +64,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self._pending_keep: dict[int, _PendingKeep] = {}
+        self._pending_keep: dict[int, PendingKeep] = {}
         """Finished requests to keep as held donors, by ``id(req.kv)``, from their last
         checkpoint to their row's release (``free_kv_row``)."""
 
@@ -154,6 +100,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         orig_full_evictable = UnifiedRadixCache.full_evictable_size
         orig_evict = UnifiedRadixCache.evict
         orig_evict_for_alloc = UnifiedRadixCache.evict_for_alloc
+        orig_free_values = UnifiedRadixCache._free_values
         orig_internal_state = SchedulerInternalStateController.get_internal_state
         orig_add_to_queue = Scheduler._add_request_to_queue
         orig_scheduler_init = Scheduler.__init__
@@ -208,6 +155,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
                 params = replace(params, num_tokens=max(0, params.num_tokens - freed))
             result = orig_evict(self, params)
             result.num_tokens_evicted += freed
+            runtime.guarded("evict", None, None, adapter._forget_evicted, self)
             return result
 
         def evict_for_alloc(self: Any, params: Any, **kwargs: Any) -> Any:
@@ -216,7 +164,13 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
                 params = replace(params, num_tokens=max(0, params.num_tokens - freed))
             result = orig_evict_for_alloc(self, params, **kwargs)
             result.num_tokens_evicted += freed
+            runtime.guarded("evict", None, None, adapter._forget_evicted, self)
             return result
+
+        def free_values(self: Any, device_frees: Any, host_frees: Any) -> None:
+            # before the original: its drain pops each component's list from the dict
+            runtime.guarded("evict", None, None, adapter._note_freed, self, device_frees)
+            orig_free_values(self, device_frees, host_frees)
 
         def finish(self: Any, handle: Any, outcome: Any) -> None:
             orig_finish(self, handle, outcome)
@@ -225,6 +179,9 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
 
         def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
             runtime.guarded("reset", None, None, adapter._drop_held, self)
+            heads = getattr(self, HEADS_ATTR, None)
+            if heads is not None:
+                heads.clear()
             out = orig_reset(self, *args, **kwargs)
             # /flush_cache and friends: every donor's KV is gone
             runtime.guarded("reset", None, None, runtime.forget_all_donors)
@@ -241,6 +198,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             (UnifiedRadixCache, "full_evictable_size"): full_evictable_size,
             (UnifiedRadixCache, "evict"): evict,
             (UnifiedRadixCache, "evict_for_alloc"): evict_for_alloc,
+            (UnifiedRadixCache, "_free_values"): free_values,
             **self._one_pass_wrappers(ScheduleBatch, ForwardBatch),
             (SchedulerInternalStateController, "get_internal_state"): wrap_get_internal_state(
                 orig_internal_state, runtime
@@ -275,23 +233,25 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         state = self.runtime.state_of(req.rid)
         if state is None or not state.reused_any:
             self._register_donor(req, up_to)
+            self._watch_head(cache, req)
             return
         # only its exact head (before the publish cap) is in the tree: a donor of that, and of
         # the rest of its prompt once it finished and its row is released (free_kv_row)
         self._register_donor(req, up_to, cap=state.publish_cap)
+        self._watch_head(cache, req)
         if (
             self.config.keep_reused_donors
             and req.finished()
             and len(req.origin_input_ids) >= self.config.min_prompt_tokens
             and eligible(req)
         ):
-            self._pending_keep[id(req.kv)] = _PendingKeep(
+            self._pending_keep[id(req.kv)] = PendingKeep(
                 req.kv, req.rid, state.namespace, list(req.origin_input_ids)
             )
 
     # ----------------------------------------------------------------- held donors
     def _split_kept(
-        self, cache: Any, pending: _PendingKeep, ranges: list[tuple[int, int]]
+        self, cache: Any, pending: PendingKeep, ranges: list[tuple[int, int]]
     ) -> tuple[list[tuple[int, int]], torch.Tensor, int] | None:
         """The release of a request marked at its last checkpoint frees ``ranges`` of its row:
         (what is still to be freed, the prompt slots to keep, their first position), or None to
@@ -307,7 +267,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         slots = row[lo:prompt_len].to(torch.int64).clone()
         return ([(prompt_len, hi)] if prompt_len < hi else []), slots, lo
 
-    def _keep(self, cache: Any, pending: _PendingKeep, slots: torch.Tensor, held_from: int) -> None:
+    def _keep(self, cache: Any, pending: PendingKeep, slots: torch.Tensor, held_from: int) -> None:
         """Hold ``slots`` (prompt positions from ``held_from`` on, no longer in the request's row)
         as donor KV of ``pending``'s whole prompt. On any failure before the store owns them the
         slots are freed."""
@@ -409,11 +369,54 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
 
     def _forget(self, cache: Any, handle: Any) -> None:
         """Donor ``handle``'s KV is gone: forget it, and free what the store held of it."""
+        heads: DonorHeads | None = getattr(cache, HEADS_ATTR, None)
+        if heads is not None:
+            heads.unwatch(handle)
         store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
         if store is not None and store.drop(handle):
             self.runtime.held.dropped += 1
             self.runtime.held.tokens = store.held_tokens
         self.runtime.forget_donor(handle)
+
+    # ----------------------------------------------------------------- eviction hook
+    def _watch_head(self, cache: Any, req: Any) -> None:
+        """Watch the tree slot of a just-registered donor's first token (:mod:`.donor_heads`)."""
+        handle = self.runtime.donor_handle(req.rid)
+        if handle is None or not self.runtime.is_donor(handle):
+            return
+        heads: DonorHeads | None = getattr(cache, HEADS_ATTR, None)
+        if heads is None:
+            heads = DonorHeads(self.config.max_donors, self.runtime.is_donor)
+            setattr(cache, HEADS_ATTR, heads)
+        if handle not in heads:
+            slot = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][0]
+            heads.watch(handle, int(slot), namespace_for(req))
+
+    def _note_freed(self, cache: Any, device_frees: Any) -> None:
+        """SGLang's tree freed ``device_frees`` (slots per component): note watched heads."""
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        heads: DonorHeads | None = getattr(cache, HEADS_ATTR, None)
+        if heads is not None:
+            for slots in device_frees.get(ComponentType.FULL, ()):
+                heads.freed(slots)
+
+    def _forget_evicted(self, cache: Any) -> None:
+        """After an eviction: forget each donor whose head slot it freed (held donors stay).
+        With a host tier (HiCache) a freed device slot may be a demotion, so those donors stay
+        until a lookup finds their KV gone. No tree match here: a match splits nodes and
+        refreshes their LRU order, which would keep what the eviction is freeing."""
+        heads: DonorHeads | None = getattr(cache, HEADS_ATTR, None)
+        if heads is None:
+            return
+        freed = heads.take_freed()
+        if getattr(cache, "cache_controller", None) is not None:
+            return
+        store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
+        for handle, _namespace in freed:
+            if self.runtime.is_donor(handle) and (store is None or handle not in store):
+                self._forget(cache, handle)
+                self.runtime.evicted_donors += 1
 
     def _donor_alive(self, cache: Any, namespace: Namespace) -> Any:
         """A held donor keeps its whole prompt (its head's slots are checked at the copy); any

@@ -1,0 +1,99 @@
+"""Which donors lost their KV when SGLang's tree freed device slots: the eviction hook.
+
+SGLang's tree evicts leaves first, so a donor's KV is gone once the slot of its first prompt token
+(its *head*, shared by every donor with the same first tokens) leaves the device. The adapter
+watches each donor's head slot from its registration; its wrapper of the tree's slot release
+(``UnifiedRadixCache._free_values``, through which every eviction step frees device values)
+reports freed slots here, and after the eviction the adapter checks the reported donors against
+the tree (a head demoted to host memory still counts as held) and forgets those whose KV is
+gone, so the index never offers them to a lookup.
+
+Owns no slot and imports nothing from sglang. Called by the adapter's hooks only (scheduler
+thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+HEADS_ATTR = "_semblend_donor_heads"
+"""Attribute of a tree-cache instance that holds its :class:`DonorHeads`."""
+
+
+class DonorHeads:
+    """The head slot and namespace of each watched donor of one tree cache, and the donors whose
+    head slot was freed since :meth:`take_freed` last ran.
+
+    ``bound``: watched donors above which :meth:`watch` first forgets those ``is_donor`` says
+    the index no longer holds (so that the map never outgrows the index)."""
+
+    def __init__(self, bound: int, is_donor: Callable[[Hashable], bool]) -> None:
+        self._bound = max(1, int(bound))
+        self._is_donor = is_donor
+        self._watched: dict[Hashable, tuple[int, Any]] = {}
+        self._by_slot: dict[int, set[Hashable]] = {}
+        self._slots: torch.Tensor | None = None  # the watched slots, rebuilt when stale
+        self._freed: dict[Hashable, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._watched)
+
+    def __contains__(self, handle: object) -> bool:
+        return handle in self._watched
+
+    def watch(self, handle: Hashable, slot: int, namespace: Any) -> None:
+        """Watch donor ``handle``, whose first prompt token's KV is at tree slot ``slot``."""
+        self.unwatch(handle)
+        if len(self._watched) >= self._bound:
+            for gone in [h for h in self._watched if not self._is_donor(h)]:
+                self.unwatch(gone)
+        slot = int(slot)
+        self._watched[handle] = (slot, namespace)
+        self._by_slot.setdefault(slot, set()).add(handle)
+        self._slots = None
+
+    def unwatch(self, handle: Hashable) -> None:
+        """Stop watching ``handle`` (forgotten, or no longer a donor); a no-op when unwatched."""
+        self._freed.pop(handle, None)
+        entry = self._watched.pop(handle, None)
+        if entry is None:
+            return
+        owners = self._by_slot.get(entry[0])
+        if owners is not None:
+            owners.discard(handle)
+            if not owners:
+                del self._by_slot[entry[0]]
+        self._slots = None
+
+    def freed(self, slots: torch.Tensor) -> None:
+        """SGLang freed device ``slots`` (a 1-D integer tensor): the donors whose head was among
+        them are no longer watched and wait in :meth:`take_freed`."""
+        if not self._by_slot or slots.numel() == 0:
+            return
+        if self._slots is None:
+            self._slots = torch.tensor(list(self._by_slot), dtype=torch.int64)
+        flat = slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+        hit = flat[torch.isin(flat, self._slots)]
+        for slot in hit.tolist():
+            for handle in list(self._by_slot.get(slot, ())):
+                namespace = self._watched[handle][1]
+                self.unwatch(handle)
+                self._freed[handle] = namespace
+        if hit.numel():
+            self._slots = None
+
+    def take_freed(self) -> list[tuple[Hashable, Any]]:
+        """The donors (with namespaces) whose head slot was freed, once each."""
+        out = list(self._freed.items())
+        self._freed.clear()
+        return out
+
+    def clear(self) -> None:
+        """Forget everything (the cache was reset)."""
+        self._watched.clear()
+        self._by_slot.clear()
+        self._freed.clear()
+        self._slots = None
