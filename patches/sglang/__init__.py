@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
 
 from semblend_sglang.config import Config, ConfigError
 
@@ -125,10 +124,3 @@ def _install_dp_dispatch_here() -> None:
         install_dp_dispatch()
     except Exception as exc:
         logger.error("semblend: dispatch not installed (%s: %s)", type(exc).__name__, exc)
-
-
-def snapshot() -> dict[str, Any] | None:
-    """Outcome counters of this process's installed patch (None when not installed)."""
-    adapter = _installed
-    runtime = getattr(adapter, "runtime", None)
-    return None if runtime is None else runtime.snapshot()
