@@ -61,7 +61,7 @@ T = TypeVar("T")
 
 HAS_MODEL_HOOK = hasattr(KVConnectorBase_V1, "register_model")
 """Whether the installed vLLM calls ``register_model(model)`` on worker connectors (the first
-form of vLLM PR 37339, seed 003)."""
+form of vLLM PR 37339, "Add register_model() to KVConnectorBase_V1")."""
 HAS_WORKER_INIT_HOOK = hasattr(KVConnectorBase_V1, "initialize_worker_connector")
 """Whether the installed vLLM calls ``initialize_worker_connector(WorkerConnectorInitialization
 Data(model=...))`` on worker connectors (the form PR 37339 ended with). With neither hook the
