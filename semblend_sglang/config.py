@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 MODES = ("discovery_only", "exact_spans", "substitute")
 EMBEDDERS = ("minilm", "jaccard", "none")
-PROVIDERS = ("local", "semblend")
 
 ENV_PREFIX = "SEMBLEND_"
 OTHER_SEMBLEND_ENV = frozenset({"SEMBLEND_MODEL_CACHE"})
@@ -99,13 +98,6 @@ FIELDS: tuple[FieldSpec, ...] = (
         False,
         "Shorthand for mode=discovery_only (conflicting with another mode is an error).",
     ),
-    FieldSpec(
-        "provider",
-        str,
-        "local",
-        "Donor provider (both run this package's index).",
-        choices=PROVIDERS,
-    ),
     FieldSpec("model_id", str, "", "Model identity recorded in the namespace (informational)."),
     FieldSpec(
         "min_similarity",
@@ -123,20 +115,6 @@ FIELDS: tuple[FieldSpec, ...] = (
         "jaccard (token-chunk sketch), none.",
         choices=EMBEDDERS,
         json_aliases=("embedder_type",),
-    ),
-    FieldSpec(
-        "fuzzy_chunks",
-        bool,
-        False,
-        "Pair near-identical chunks with rapidfuzz (substitute mode only).",
-    ),
-    FieldSpec(
-        "fuzzy_threshold",
-        float,
-        0.85,
-        "Minimum rapidfuzz similarity of a fuzzy chunk pair.",
-        minimum=0.0,
-        maximum=1.0,
     ),
     FieldSpec(
         "strict_prefix_boundary",
@@ -434,12 +412,9 @@ class Config:
 
     enabled: bool = _default("enabled")
     mode: str = _default("mode")
-    provider: str = _default("provider")
     model_id: str = _default("model_id")
     min_similarity: float = _default("min_similarity")
     embedder: str = _default("embedder")
-    fuzzy_chunks: bool = _default("fuzzy_chunks")
-    fuzzy_threshold: float = _default("fuzzy_threshold")
     strict_prefix_boundary: bool = _default("strict_prefix_boundary")
     max_plan_donors: int = _default("max_plan_donors")
     keep_reused_donors: bool = _default("keep_reused_donors")

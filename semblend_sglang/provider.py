@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .align import AlignLimits, Anchors, Span, align, anchors_of, fuzzy_chunk_matches
+from .align import AlignLimits, Anchors, Span, align, anchors_of
 from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
 from .config import Config
 from .embed import WindowedEmbedder, cosine, load_embedder
@@ -489,7 +489,6 @@ class SemanticProvider:
             else found
         )
         similarity: float | None = None
-        substitutions: tuple = ()
         if config.mode == "substitute":
             if config.embedder == "jaccard":
                 similarity = cand.sketch_similarity
@@ -499,25 +498,6 @@ class SemanticProvider:
                     return Decision.decline(Reason.NO_EMBEDDER)
             if similarity is not None and similarity < config.min_similarity:
                 return Decision.decline(Reason.SIMILARITY_LOW)
-            if config.fuzzy_chunks:
-                params = self.index.params
-                substitutions = tuple(
-                    type(m)(
-                        m.target_start + exact_len,
-                        m.target_end + exact_len,
-                        m.donor_start,
-                        m.donor_end,
-                        m.similarity,
-                    )
-                    for m in fuzzy_chunk_matches(
-                        region,
-                        donor,
-                        chunk_tokens(region, params),
-                        chunk_tokens(donor, params),
-                        threshold=config.fuzzy_threshold,
-                        exclude=found,
-                    )
-                )
         elif config.discovery_only and config.embed_discovery:
             similarity = self._embedding_similarity(tokens, cand.handle, donor)
             if similarity is not None:
@@ -530,7 +510,6 @@ class SemanticProvider:
             page_size=page_size,
             donor_handle=cand.handle,
             donor_namespace=cand.namespace,
-            substitutions=substitutions,
             similarity=similarity,
         )
 

@@ -8,9 +8,10 @@ import pytest
 
 from semblend_sglang.config import FIELDS, Config, ConfigError, FieldSpec, cli_options
 
-SEED_000_EXTRA_CONFIG = {
+# The kv_connector_extra_config of the semblend-vllm-connector package's description, less its
+# `provider` key (the vLLM connector's settings accept and drop it; tests/test_vllm_settings.py).
+SEMBLEND_VLLM_CONNECTOR_EXTRA_CONFIG = {
     "mode": "discovery_only",
-    "provider": "semblend",
     "min_prompt_tokens": 256,
     "min_similarity": 0.70,
     "min_reuse_ratio": 0.50,
@@ -26,7 +27,6 @@ def test_defaults_match_the_documented_table() -> None:
     assert config.mode == "exact_spans"
     assert config.min_similarity == 0.60
     assert config.embedder == "minilm"
-    assert config.fuzzy_chunks is False
     assert config.discovery_only is False
     assert config.strict_prefix_boundary is False
     assert config.max_plan_donors == 8
@@ -42,7 +42,6 @@ def test_env_values_are_parsed() -> None:
             "SEMBLEND_ENABLED": "0",
             "SEMBLEND_MIN_SIMILARITY": "0.75",
             "SEMBLEND_EMBEDDER": "Jaccard",
-            "SEMBLEND_FUZZY_CHUNKS": "yes",
             "SEMBLEND_STRICT_PREFIX_BOUNDARY": "false",
             "SEMBLEND_EXACT_MATERIALIZATION_ONLY": "off",
             "SEMBLEND_MODE": "substitute",
@@ -54,7 +53,6 @@ def test_env_values_are_parsed() -> None:
     assert config.enabled is False
     assert config.min_similarity == 0.75
     assert config.embedder == "jaccard"
-    assert config.fuzzy_chunks is True
     assert config.strict_prefix_boundary is False
     assert config.mode == "substitute"
     assert config.max_spans == 3
@@ -62,11 +60,11 @@ def test_env_values_are_parsed() -> None:
     assert config.unknown_keys == ()
 
 
-def test_seed_000_json_shape_is_accepted() -> None:
-    config = Config.from_json(SEED_000_EXTRA_CONFIG)
+def test_semblend_vllm_connector_json_shape_is_accepted() -> None:
+    config = Config.from_json(SEMBLEND_VLLM_CONNECTOR_EXTRA_CONFIG)
     assert config.mode == "discovery_only"
     assert config.discovery_only
-    assert config.provider == "semblend"
+    assert config.unknown_keys == ()
     assert config.min_prompt_tokens == 256
     assert config.min_similarity == 0.70
     assert config.min_reuse_ratio == 0.50
@@ -199,7 +197,6 @@ def test_cli_mapping_covers_every_field() -> None:
         "SEMBLEND_ENABLED",
         "SEMBLEND_MIN_SIMILARITY",
         "SEMBLEND_EMBEDDER",
-        "SEMBLEND_FUZZY_CHUNKS",
         "SEMBLEND_DISCOVERY_ONLY",
         "SEMBLEND_STRICT_PREFIX_BOUNDARY",
         "SEMBLEND_EXACT_MATERIALIZATION_ONLY",
