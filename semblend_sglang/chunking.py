@@ -195,6 +195,12 @@ class ChunkParams:
     min_size: int = 16
     max_size: int = 256
 
+    @classmethod
+    def for_avg(cls, avg: int) -> ChunkParams:
+        """The chunking the donor index and the dispatcher use at average chunk length ``avg`` (a
+        power of two): window 8, chunks of ``max(8, avg // 4)`` to ``4 * avg`` tokens."""
+        return cls(window=8, avg=avg, min_size=max(8, avg // 4), max_size=avg * 4)
+
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")

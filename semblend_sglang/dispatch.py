@@ -40,10 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .chunk_keys import salted_keys
-from .chunking import Chunks, as_token_array, chunk_tokens
+from .chunking import ChunkParams, Chunks, as_token_array, chunk_tokens
 from .config import Config
 from .namespace import Namespace
-from .provider import chunk_params_for_avg
 
 ENTRY_OVERHEAD_BYTES = 512
 """Bytes charged per remembered request besides its keys: its entry object, its slot in the
@@ -140,7 +139,7 @@ class DonorRouter:
             if len(caps) != n_ranks:
                 raise ValueError(f"need {n_ranks} capacities, got {len(caps)}")
             self._expire_after = [config.dispatch_expire_ratio * c for c in caps]
-        self.params = chunk_params_for_avg(config.dispatch_chunk_avg_tokens)
+        self.params = ChunkParams.for_avg(config.dispatch_chunk_avg_tokens)
         """Chunking of the router's index (``dispatch_chunk_avg_tokens``)."""
         self._postings: dict[int, list[int]] = {}  # salted key -> handles, oldest first
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU, oldest first

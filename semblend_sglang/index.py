@@ -1,13 +1,13 @@
 """Token index: finds donors that share token content with a query, at any offset.
 
 Each donor is cut into content-defined chunks (:mod:`semblend_sglang.chunking`); the distinct chunk
-keys, salted with the namespace (:mod:`semblend_sglang.chunk_keys`), are its postings. Postings live in a few sorted numpy runs
-(merged like a log-structured tree: each run more than 16x the next one, so a probe searches two
-to four up to 100,000 donors), so memory per donor is O(number of chunks): 12 bytes per distinct
-chunk, a 64-byte bottom-k sketch, the record and the engine's handle. A large run in which keys
-repeat (a document many donors share) also keeps its distinct keys, at most a quarter of its
-postings, and the probe searches that small, cache-resident array instead. The donor's tokens are
-kept (int32) only when the engine cannot give them back.
+keys, salted with the namespace (:mod:`semblend_sglang.chunk_keys`), are its postings. Postings live
+in a few sorted numpy runs (merged like a log-structured tree: each run more than 16x the next one,
+so a probe searches two to four up to 100,000 donors), so memory per donor is O(number of chunks):
+12 bytes per distinct chunk, a 64-byte bottom-k sketch, the record and the engine's handle. A large
+run in which keys repeat (a document many donors share) also keeps its distinct keys, at most a
+quarter of its postings, and the probe searches that small, cache-resident array instead. The
+donor's tokens are kept (int32) only when the engine cannot give them back.
 
 A probe weighs each donor by the query tokens in chunks it shares (a lower bound of what alignment
 can reuse) and ranks by (shared tokens, sketch similarity, newest). It runs as a fixed number of
