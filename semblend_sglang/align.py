@@ -16,8 +16,7 @@ collision-free. Every identical run of at least ``min_length`` tokens holds an a
 donor the work is one pass of k-gram hashes plus a few table probes, with no sorting of donor
 tokens and no Python loop over positions.
 
-:func:`fuzzy_chunk_matches` (rapidfuzz) pairs near-identical chunks; only the substitute mode
-uses it. Everything here is a pure function of its inputs.
+Everything here is a pure function of its inputs.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunking import Chunks, kgram_hashes, poly_prefix, strided_window_hashes, token_prefix
+from .chunking import kgram_hashes, poly_prefix, strided_window_hashes, token_prefix
 
 _U64 = np.uint64
 _GATHER_LIMIT = 1 << 18
@@ -453,68 +452,3 @@ def align(
             heapq.heappush(heap, piece)
     spans.sort()
     return tuple(spans)
-
-
-@dataclass(frozen=True, slots=True)
-class FuzzyMatch:
-    """A target chunk paired with a near-identical donor chunk (substitute mode only)."""
-
-    target_start: int
-    target_end: int
-    donor_start: int
-    donor_end: int
-    similarity: float
-
-
-def fuzzy_chunk_matches(
-    target: np.ndarray,
-    donor: np.ndarray,
-    target_chunks: Chunks,
-    donor_chunks: Chunks,
-    *,
-    threshold: float,
-    exclude: tuple[Span, ...] = (),
-    max_matches: int = 64,
-) -> tuple[FuzzyMatch, ...]:
-    """Pair each target chunk not covered by ``exclude`` with its most similar unused donor chunk.
-
-    Similarity is rapidfuzz's normalized Indel similarity of the token-id sequences; a pair is kept
-    when it is at least ``threshold``. Greedy in target order; ties go to the earliest donor chunk.
-    Deterministic. Only the substitute mode calls this: the pairs are not token-identical.
-    """
-    from rapidfuzz.distance import Indel
-
-    covered = np.zeros(target.size, dtype=bool)
-    for span in exclude:
-        covered[span.target_start : span.target_end] = True
-    donor_seqs = [
-        donor[s:e].tolist()
-        for s, e in zip(donor_chunks.starts.tolist(), donor_chunks.ends.tolist(), strict=True)
-    ]
-    used = [False] * len(donor_seqs)
-    out: list[FuzzyMatch] = []
-    for ts, te in zip(target_chunks.starts.tolist(), target_chunks.ends.tolist(), strict=True):
-        if len(out) >= max_matches:
-            break
-        if covered[ts:te].any():
-            continue
-        seq = target[ts:te].tolist()
-        best, best_sim = -1, threshold
-        for idx, dseq in enumerate(donor_seqs):
-            if used[idx]:
-                continue
-            sim = Indel.normalized_similarity(seq, dseq, score_cutoff=best_sim)
-            if sim > best_sim or (best < 0 and sim >= best_sim):
-                best, best_sim = idx, sim
-        if best >= 0:
-            used[best] = True
-            out.append(
-                FuzzyMatch(
-                    ts,
-                    te,
-                    int(donor_chunks.starts[best]),
-                    int(donor_chunks.ends[best]),
-                    float(best_sim),
-                )
-            )
-    return tuple(out)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 U64 = np.uint64
-_MASK64 = (1 << 64) - 1
 POLY_BASE = 0x9E3779B97F4A7C15 | 1
 """Odd multiplier of the polynomial k-gram hash (odd, so it is invertible modulo 2**64)."""
 _POLY_BASE_INV = pow(POLY_BASE, -1, 1 << 64)
@@ -56,17 +55,6 @@ def mix64(values: np.ndarray) -> np.ndarray:
     z ^= z >> U64(27)
     z *= U64(0x94D049BB133111EB)
     z ^= z >> U64(31)
-    return z
-
-
-def mix64_int(value: int) -> int:
-    """splitmix64 finalizer of one Python int (same function as :func:`mix64`)."""
-    z = value & _MASK64
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & _MASK64
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
     return z
 
 
@@ -206,6 +194,12 @@ class ChunkParams:
     avg: int = 64
     min_size: int = 16
     max_size: int = 256
+
+    @classmethod
+    def for_avg(cls, avg: int) -> ChunkParams:
+        """The chunking the donor index and the dispatcher use at average chunk length ``avg`` (a
+        power of two): window 8, chunks of ``max(8, avg // 4)`` to ``4 * avg`` tokens."""
+        return cls(window=8, avg=avg, min_size=max(8, avg // 4), max_size=avg * 4)
 
     def __post_init__(self) -> None:
         if self.window < 1:

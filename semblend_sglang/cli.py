@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .config import FIELDS, ConfigError
+from .config import FIELDS, ConfigError, settings_table
 from .launcher import (
     CONFIG_FLAG,
     config_environ,
@@ -88,6 +88,13 @@ def prepare_model_cmd(cache_dir: Path | None, force: bool) -> None:
     except ModelPrepError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(str(folder))
+
+
+@main.command("settings")
+def settings_cmd() -> None:
+    """Print every SemBlend setting (env var, flag, JSON keys, default, allowed values, meaning)
+    as the markdown table docs/provider.md holds."""
+    click.echo(settings_table(), nl=False)
 
 
 @main.command(

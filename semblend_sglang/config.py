@@ -1,11 +1,14 @@
 """One validated :class:`Config` from SEMBLEND_* environment variables, a JSON object and CLI flags.
 
+Every setting is declared once, as a field of :class:`Config` (its default, help text, bounds and
+choices: :func:`~.config_fields.setting`); :data:`FIELDS` is derived from those declarations,
+plus the ``discovery_only`` shorthand, and gives each its env var, ``--semblend-*`` flag and JSON
+keys for the launcher, ``semblend-sglang settings`` and the table in docs/provider.md.
+
 Precedence (lowest to highest): built-in defaults < environment < JSON object
 (vLLM ``kv_connector_extra_config``) < CLI flags. Each source is validated on its own; a bad value
 raises :class:`ConfigError` naming the key, the value and what is allowed. Unknown SEMBLEND_*
 variables and unknown JSON keys are logged once and listed in ``Config.unknown_keys``.
-:data:`FIELDS` describes every field (env var, ``--semblend-*`` flag, type, default, help) for the
-launcher that builds its click options from it.
 
 ``discovery_only`` (SEMBLEND_DISCOVERY_ONLY, JSON ``discovery_only``, ``--semblend-discovery-only``)
 is a shorthand for ``mode=discovery_only`` inside the source that sets it: true selects that mode;
@@ -16,321 +19,45 @@ true together with another mode in the same source is a ConfigError; false toget
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .config_fields import (
+    ENV_PREFIX,
+    ConfigError,
+    FieldSpec,
+    markdown_table,
+    parse_value,
+    setting,
+    specs_of,
+)
+
+__all__ = [
+    "EMBEDDERS",
+    "ENV_PREFIX",
+    "FIELDS",
+    "FIELDS_BY_ENV",
+    "FIELDS_BY_FLAG",
+    "FIELDS_BY_NAME",
+    "MODES",
+    "Config",
+    "ConfigError",
+    "FieldSpec",
+    "cli_options",
+    "parse_value",
+    "settings_table",
+]
+
 logger = logging.getLogger(__name__)
 
 MODES = ("discovery_only", "exact_spans", "substitute")
 EMBEDDERS = ("minilm", "jaccard", "none")
-PROVIDERS = ("local", "semblend")
 
-ENV_PREFIX = "SEMBLEND_"
 OTHER_SEMBLEND_ENV = frozenset({"SEMBLEND_MODEL_CACHE"})
 """SEMBLEND_* variables owned by other parts of the project (not Config fields, not unknown)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key, the value and what is
-    allowed; ``key``, ``value`` and ``allowed`` carry the same as attributes."""
-
-    def __init__(self, key: str, value: Any, allowed: str) -> None:
-        super().__init__(f"invalid value for {key}: {value!r} (allowed: {allowed})")
-        self.key = key
-        self.value = value
-        self.allowed = allowed
-
-
-@dataclass(frozen=True, slots=True)
-class FieldSpec:
-    """How one Config field is named in each source, its type, default, bounds and help."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-    json_aliases: tuple[str, ...] = ()
-
-    @property
-    def env(self) -> str:
-        """Environment variable name, e.g. ``SEMBLEND_MIN_SIMILARITY``."""
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def flag(self) -> str:
-        """CLI flag name, e.g. ``--semblend-min-similarity``."""
-        return "--semblend-" + self.name.replace("_", "-")
-
-    def allowed(self) -> str:
-        """Human-readable description of the accepted values."""
-        if self.choices is not None:
-            return "one of " + ", ".join(self.choices)
-        if self.type is bool:
-            return "a boolean: 1/0, true/false, yes/no, on/off"
-        kind = "an integer" if self.type is int else "a number"
-        if self.type is str:
-            return "a string"
-        lo = "-inf" if self.minimum is None else f"{self.minimum:g}"
-        hi = "inf" if self.maximum is None else f"{self.maximum:g}"
-        return f"{kind} in [{lo}, {hi}]"
-
-
-FIELDS: tuple[FieldSpec, ...] = (
-    FieldSpec("enabled", bool, True, "Enable semantic donor lookup."),
-    FieldSpec(
-        "mode",
-        str,
-        "exact_spans",
-        "discovery_only: lookup + telemetry only; exact_spans: reuse token-identical spans; "
-        "substitute: SemBlend-style, may change the prompt (needs "
-        "exact_materialization_only=0).",
-        choices=MODES,
-    ),
-    FieldSpec(
-        "discovery_only",
-        bool,
-        False,
-        "Shorthand for mode=discovery_only (conflicting with another mode is an error).",
-    ),
-    FieldSpec(
-        "provider",
-        str,
-        "local",
-        "Donor provider (both run this package's index).",
-        choices=PROVIDERS,
-    ),
-    FieldSpec("model_id", str, "", "Model identity recorded in the namespace (informational)."),
-    FieldSpec(
-        "min_similarity",
-        float,
-        0.60,
-        "Minimum embedding cosine similarity (substitute mode gate, discovery telemetry).",
-        minimum=0.0,
-        maximum=1.0,
-    ),
-    FieldSpec(
-        "embedder",
-        str,
-        "minilm",
-        "Similarity for the substitute gate: minilm (sentence-transformers all-MiniLM-L6-v2), "
-        "jaccard (token-chunk sketch), none.",
-        choices=EMBEDDERS,
-        json_aliases=("embedder_type",),
-    ),
-    FieldSpec(
-        "fuzzy_chunks",
-        bool,
-        False,
-        "Pair near-identical chunks with rapidfuzz (substitute mode only).",
-    ),
-    FieldSpec(
-        "fuzzy_threshold",
-        float,
-        0.85,
-        "Minimum rapidfuzz similarity of a fuzzy chunk pair.",
-        minimum=0.0,
-        maximum=1.0,
-    ),
-    FieldSpec(
-        "strict_prefix_boundary",
-        bool,
-        False,
-        "Plan one span from one donor (SemBlend-compatible) instead of up to max_spans spans.",
-    ),
-    FieldSpec(
-        "max_plan_donors",
-        int,
-        8,
-        "Donors whose spans one plan may combine (1: one donor per plan).",
-        minimum=1,
-        maximum=64,
-    ),
-    FieldSpec(
-        "keep_reused_donors",
-        bool,
-        True,
-        "Keep the unpublished prompt KV of a request that reused KV as donor KV outside SGLang's "
-        "tree (evicted before the tree) instead of freeing it (SGLang 0.5.21+).",
-    ),
-    FieldSpec(
-        "report_reuse_to_client",
-        bool,
-        False,
-        "Add semantically reused tokens to the client-visible cached_tokens (off: clients see "
-        "SGLang's exact prefix hit only; docs/security.md).",
-    ),
-    FieldSpec(
-        "exact_materialization_only",
-        bool,
-        True,
-        "Materialize only token-identical spans (must be 0 for mode=substitute).",
-    ),
-    FieldSpec(
-        "min_prompt_tokens",
-        int,
-        256,
-        "Prompts shorter than this are declined (prompt_too_short).",
-        minimum=0,
-    ),
-    FieldSpec(
-        "exact_sufficient_ratio",
-        float,
-        0.90,
-        "Exact route when the exact prefix hit covers at least this fraction of the prompt.",
-        minimum=0.0,
-        maximum=1.0,
-    ),
-    FieldSpec(
-        "min_reuse_tokens",
-        int,
-        128,
-        "Minimum reused tokens of a plan (after trimming).",
-        minimum=1,
-    ),
-    FieldSpec(
-        "min_reuse_ratio",
-        float,
-        0.25,
-        "Minimum reused tokens / tokens not covered by the exact hit.",
-        minimum=0.0,
-        maximum=1.0,
-    ),
-    FieldSpec(
-        "sink_tokens",
-        int,
-        4,
-        "Tokens recomputed at the start of each reused span (attention-sink effect).",
-        minimum=0,
-    ),
-    FieldSpec("max_spans", int, 8, "Maximum spans in one plan.", minimum=1, maximum=4096),
-    FieldSpec(
-        "min_span_tokens",
-        int,
-        32,
-        "Minimum length of an aligned identical span.",
-        minimum=2,
-        maximum=65536,
-    ),
-    FieldSpec(
-        "max_donors",
-        int,
-        20000,
-        "Donors kept in the index (least recently used evicted first).",
-        minimum=1,
-    ),
-    FieldSpec(
-        "max_index_bytes",
-        int,
-        512 * 1024 * 1024,
-        "Bytes the donor index may hold (postings, records, token copies); the least recently "
-        "used donors are dropped beyond it.",
-        minimum=1024 * 1024,
-    ),
-    FieldSpec(
-        "max_candidates",
-        int,
-        8,
-        "Donor candidates aligned per lookup, best first.",
-        minimum=1,
-        maximum=64,
-    ),
-    FieldSpec(
-        "lookup_budget_ms",
-        float,
-        5.0,
-        "Work budget of one lookup in milliseconds of the reference CPU, counted in operations "
-        "so that every rank decides alike; a lookup that runs out with no plan declines "
-        "(lookup_budget).",
-        minimum=0.01,
-        maximum=10000.0,
-    ),
-    FieldSpec(
-        "min_candidate_tokens",
-        int,
-        32,
-        "Minimum shared-chunk tokens for a donor to be aligned at all.",
-        minimum=1,
-    ),
-    FieldSpec(
-        "chunk_avg_tokens",
-        int,
-        16,
-        "Average content-defined chunk length (power of two).",
-        minimum=8,
-        maximum=4096,
-    ),
-    FieldSpec(
-        "embed_discovery",
-        bool,
-        False,
-        "In discovery_only mode, also embed query and donor and record their similarity.",
-    ),
-    FieldSpec(
-        "dispatch_enabled",
-        bool,
-        True,
-        "With --dp-size N: send each request to the data-parallel rank holding its donor "
-        "(docs/scale-out.md).",
-    ),
-    FieldSpec(
-        "dispatch_load_margin",
-        int,
-        8192,
-        "Tokens a donor's rank may be loaded above the least-loaded rank and still be chosen; "
-        "beyond it SGLang's own dispatch method decides.",
-        minimum=0,
-    ),
-    FieldSpec(
-        "dispatch_index_bytes",
-        int,
-        64 * 1024 * 1024,
-        "Byte bound of the dispatcher's index of what went to which rank.",
-        minimum=1024 * 1024,
-    ),
-    FieldSpec(
-        "dispatch_chunk_avg_tokens",
-        int,
-        64,
-        "Average content-defined chunk length (power of two) of the dispatcher's index; "
-        "coarser than the provider's: a rank needs evidence, not alignment.",
-        minimum=8,
-        maximum=4096,
-    ),
-    FieldSpec(
-        "dispatch_expire_ratio",
-        float,
-        1.0,
-        "A dispatch entry expires once its rank was sent this many times its KV pool size in "
-        "tokens since.",
-        minimum=0.01,
-        maximum=1000.0,
-    ),
-)
-
-FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
-FIELDS_BY_ENV: dict[str, FieldSpec] = {f.env: f for f in FIELDS}
-FIELDS_BY_FLAG: dict[str, FieldSpec] = {f.flag: f for f in FIELDS}
-
-
-def _default(name: str) -> Any:
-    """The default of field ``name``, declared once in :data:`FIELDS`."""
-    return FIELDS_BY_NAME[name].default
-
-
-_JSON_KEYS: dict[str, FieldSpec] = {
-    **{f.name: f for f in FIELDS},
-    **{alias: f for f in FIELDS for alias in f.json_aliases},
-}
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -342,65 +69,6 @@ def _warn_once(message: str) -> None:
             return
         _warned.add(message)
     logger.warning(message)
-
-
-def parse_value(spec: FieldSpec, value: Any, key: str) -> Any:
-    """Convert ``value`` (a string from env/CLI or a JSON value) to ``spec``'s type and check it.
-
-    ``key`` is the name reported in a ConfigError (env var, JSON key or flag).
-    """
-    allowed = spec.allowed()
-    if spec.type is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ConfigError(key, value, allowed)
-    if spec.type is int:
-        if isinstance(value, bool):
-            raise ConfigError(key, value, allowed)
-        if isinstance(value, int):
-            out = value
-        elif isinstance(value, float) and value.is_integer():
-            out = int(value)
-        elif isinstance(value, str):
-            try:
-                out = int(value.strip())
-            except ValueError:
-                raise ConfigError(key, value, allowed) from None
-        else:
-            raise ConfigError(key, value, allowed)
-    elif spec.type is float:
-        if isinstance(value, bool):
-            raise ConfigError(key, value, allowed)
-        if isinstance(value, (int, float)):
-            out_f = float(value)
-        elif isinstance(value, str):
-            try:
-                out_f = float(value.strip())
-            except ValueError:
-                raise ConfigError(key, value, allowed) from None
-        else:
-            raise ConfigError(key, value, allowed)
-        if not math.isfinite(out_f):
-            raise ConfigError(key, value, allowed)
-        out = out_f
-    else:
-        if not isinstance(value, str):
-            raise ConfigError(key, value, allowed)
-        out = value.strip()
-        if spec.choices is not None:
-            out = out.lower()
-            if out not in spec.choices:
-                raise ConfigError(key, value, allowed)
-        return out
-    if (spec.minimum is not None and out < spec.minimum) or (
-        spec.maximum is not None and out > spec.maximum
-    ):
-        raise ConfigError(key, value, allowed)
-    return out
 
 
 def _resolve_layer(layer: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
@@ -430,40 +98,143 @@ def _resolve_layer(layer: dict[str, Any], keys: dict[str, str]) -> dict[str, Any
 @dataclass(frozen=True, slots=True)
 class Config:
     """Validated SemBlend settings; build with :meth:`from_env`, :meth:`from_json`,
-    :meth:`from_sources` (never raise from the engine: build it at start-up)."""
+    :meth:`from_sources` (never raise from the engine: build it at start-up).
 
-    enabled: bool = _default("enabled")
-    mode: str = _default("mode")
-    provider: str = _default("provider")
-    model_id: str = _default("model_id")
-    min_similarity: float = _default("min_similarity")
-    embedder: str = _default("embedder")
-    fuzzy_chunks: bool = _default("fuzzy_chunks")
-    fuzzy_threshold: float = _default("fuzzy_threshold")
-    strict_prefix_boundary: bool = _default("strict_prefix_boundary")
-    max_plan_donors: int = _default("max_plan_donors")
-    keep_reused_donors: bool = _default("keep_reused_donors")
-    report_reuse_to_client: bool = _default("report_reuse_to_client")
-    exact_materialization_only: bool = _default("exact_materialization_only")
-    min_prompt_tokens: int = _default("min_prompt_tokens")
-    exact_sufficient_ratio: float = _default("exact_sufficient_ratio")
-    min_reuse_tokens: int = _default("min_reuse_tokens")
-    min_reuse_ratio: float = _default("min_reuse_ratio")
-    sink_tokens: int = _default("sink_tokens")
-    max_spans: int = _default("max_spans")
-    min_span_tokens: int = _default("min_span_tokens")
-    max_donors: int = _default("max_donors")
-    max_index_bytes: int = _default("max_index_bytes")
-    max_candidates: int = _default("max_candidates")
-    min_candidate_tokens: int = _default("min_candidate_tokens")
-    lookup_budget_ms: float = _default("lookup_budget_ms")
-    chunk_avg_tokens: int = _default("chunk_avg_tokens")
-    embed_discovery: bool = _default("embed_discovery")
-    dispatch_enabled: bool = _default("dispatch_enabled")
-    dispatch_load_margin: int = _default("dispatch_load_margin")
-    dispatch_index_bytes: int = _default("dispatch_index_bytes")
-    dispatch_chunk_avg_tokens: int = _default("dispatch_chunk_avg_tokens")
-    dispatch_expire_ratio: float = _default("dispatch_expire_ratio")
+    Each field below is the one declaration of its setting (``semblend-sglang settings`` lists
+    them with their env vars and flags)."""
+
+    enabled: bool = setting(
+        True, "Enable semantic donor lookup (0: every lookup declines, disabled)."
+    )
+    mode: str = setting(
+        "exact_spans",
+        "discovery_only: lookup + telemetry only; exact_spans: reuse token-identical spans; "
+        "substitute: SemBlend-style, changes the prompt (needs exact_materialization_only=0).",
+        choices=MODES,
+    )
+    model_id: str = setting("", "Model identity recorded in the namespace (informational).")
+    min_similarity: float = setting(
+        0.60,
+        "Minimum embedding cosine similarity (substitute mode gate, discovery telemetry).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    embedder: str = setting(
+        "minilm",
+        "Similarity for the substitute gate: minilm (sentence-transformers all-MiniLM-L6-v2), "
+        "jaccard (token-chunk sketch), none.",
+        choices=EMBEDDERS,
+        json_aliases=("embedder_type",),
+    )
+    strict_prefix_boundary: bool = setting(
+        False,
+        "Plan one span from one donor (SemBlend-compatible) instead of up to max_spans spans.",
+    )
+    max_plan_donors: int = setting(
+        8,
+        "Donors whose spans one plan may combine (1: one donor per plan).",
+        minimum=1,
+        maximum=64,
+    )
+    keep_reused_donors: bool = setting(
+        True,
+        "Keep the unpublished prompt KV of a request that reused KV as donor KV outside SGLang's "
+        "tree (evicted before the tree) instead of freeing it (SGLang 0.5.21+; docs/sglang.md).",
+    )
+    report_reuse_to_client: bool = setting(
+        False,
+        "Add semantically reused tokens to the client-visible cached_tokens (off: clients see "
+        "SGLang's exact prefix hit only; docs/security.md).",
+    )
+    exact_materialization_only: bool = setting(
+        True, "Materialize only token-identical spans (must be 0 for mode=substitute)."
+    )
+    min_prompt_tokens: int = setting(
+        256, "Prompts shorter than this are declined (prompt_too_short).", minimum=0
+    )
+    exact_sufficient_ratio: float = setting(
+        0.90,
+        "Exact route when the exact prefix hit covers at least this fraction of the prompt.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    min_reuse_tokens: int = setting(
+        128, "Minimum reused tokens of a plan (after trimming).", minimum=1
+    )
+    min_reuse_ratio: float = setting(
+        0.25,
+        "Minimum reused tokens / tokens not covered by the exact hit.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    sink_tokens: int = setting(
+        4, "Tokens recomputed at the start of each reused span (attention-sink effect).", minimum=0
+    )
+    max_spans: int = setting(
+        8, "Maximum spans in one plan (1 when strict_prefix_boundary).", minimum=1, maximum=4096
+    )
+    min_span_tokens: int = setting(
+        32, "Minimum length of an aligned identical span.", minimum=2, maximum=65536
+    )
+    max_donors: int = setting(
+        20000, "Donors kept in the index (least recently used evicted first).", minimum=1
+    )
+    max_index_bytes: int = setting(
+        512 * 1024 * 1024,
+        "Bytes the donor index may hold: live postings (12 B each), records (320 B) and token "
+        "copies (4 B per token) of the donors; the least recently used are dropped beyond it.",
+        minimum=1024 * 1024,
+    )
+    max_candidates: int = setting(
+        8, "Donor candidates aligned per lookup, best first.", minimum=1, maximum=64
+    )
+    lookup_budget_ms: float = setting(
+        5.0,
+        "Work budget of one lookup in milliseconds of the reference CPU, counted in operations "
+        "so that every rank decides alike; a lookup that runs out with no plan declines "
+        "(lookup_budget).",
+        minimum=0.01,
+        maximum=10000.0,
+    )
+    min_candidate_tokens: int = setting(
+        32, "Minimum shared-chunk tokens for a donor to be aligned at all.", minimum=1
+    )
+    chunk_avg_tokens: int = setting(
+        16, "Average content-defined chunk length (power of two).", minimum=8, maximum=4096
+    )
+    embed_discovery: bool = setting(
+        False, "In discovery_only mode, also embed query and donor and record their similarity."
+    )
+    dispatch_enabled: bool = setting(
+        True,
+        "With --dp-size N: send each request to the data-parallel rank holding its donor "
+        "(docs/scale-out.md).",
+    )
+    dispatch_load_margin: int = setting(
+        8192,
+        "Tokens a donor's rank may be loaded above the least-loaded rank and still be chosen; "
+        "beyond it SGLang's own dispatch method decides.",
+        minimum=0,
+    )
+    dispatch_index_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Byte bound of the dispatcher's index of what went to which rank.",
+        minimum=1024 * 1024,
+    )
+    dispatch_chunk_avg_tokens: int = setting(
+        64,
+        "Average content-defined chunk length (power of two) of the dispatcher's index; "
+        "coarser than the provider's: a rank needs evidence, not alignment (bench dispatch).",
+        minimum=8,
+        maximum=4096,
+    )
+    dispatch_expire_ratio: float = setting(
+        1.0,
+        "A dispatch entry expires once its rank was sent this many times its KV pool size in "
+        "tokens since.",
+        minimum=0.01,
+        maximum=1000.0,
+    )
     unknown_keys: tuple[str, ...] = field(default=(), compare=False)
     """SEMBLEND_* env vars and JSON keys that name no field (reported, not applied)."""
 
@@ -587,6 +358,32 @@ class Config:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "unknown_keys"}
 
 
+DISCOVERY_ONLY = FieldSpec(
+    "discovery_only",
+    bool,
+    False,
+    "Shorthand for mode=discovery_only (conflicting with another mode is an error).",
+)
+"""Not a Config field: a source-level shorthand folded into ``mode`` (module docstring)."""
+
+
+def _with_shorthand(specs: list[FieldSpec]) -> tuple[FieldSpec, ...]:
+    at = next(i for i, spec in enumerate(specs) if spec.name == "mode") + 1
+    return (*specs[:at], DISCOVERY_ONLY, *specs[at:])
+
+
+FIELDS: tuple[FieldSpec, ...] = _with_shorthand(list(specs_of(Config)))
+"""Every setting a source may set: the Config fields in declaration order, with
+``discovery_only`` after ``mode``."""
+FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
+FIELDS_BY_ENV: dict[str, FieldSpec] = {f.env: f for f in FIELDS}
+FIELDS_BY_FLAG: dict[str, FieldSpec] = {f.flag: f for f in FIELDS}
+_JSON_KEYS: dict[str, FieldSpec] = {
+    **{f.name: f for f in FIELDS},
+    **{alias: f for f in FIELDS for alias in f.json_aliases},
+}
+
+
 def cli_options() -> list[dict[str, Any]]:
     """One dict per field for a CLI launcher: flag, env, name, type, default, help, choices,
     allowed. Boolean flags take a value (``--semblend-enabled 0``) so every flag can override."""
@@ -603,3 +400,8 @@ def cli_options() -> list[dict[str, Any]]:
         }
         for spec in FIELDS
     ]
+
+
+def settings_table() -> str:
+    """The markdown table of every setting (:data:`FIELDS`) that docs/provider.md holds."""
+    return markdown_table(FIELDS)

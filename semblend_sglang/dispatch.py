@@ -18,7 +18,7 @@ donor, and a wrong belief costs one miss (the rank's provider declines ``no_dono
 correctness.
 
 What it remembers: each request's content-defined chunks (the provider's chunk hashing and
-namespace-salted keys, :func:`~semblend_sglang.index.salted_keys`, so requests of different
+namespace-salted keys, :func:`~semblend_sglang.chunk_keys.salted_keys`, so requests of different
 namespaces never match), cut coarser than the provider's (``dispatch_chunk_avg_tokens``, default
 64 against 16: a rank needs evidence that it holds a donor, not the spans to align), in a Python
 dict from chunk key to the newest :data:`MAX_POSTINGS_PER_KEY` requests posting it. A decision
@@ -39,11 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunking import Chunks, as_token_array, chunk_tokens
+from .chunk_keys import salted_keys
+from .chunking import ChunkParams, Chunks, as_token_array, chunk_tokens
 from .config import Config
-from .index import salted_keys
 from .namespace import Namespace
-from .provider import chunk_params_for_avg
 
 ENTRY_OVERHEAD_BYTES = 512
 """Bytes charged per remembered request besides its keys: its entry object, its slot in the
@@ -90,7 +89,7 @@ class Route:
     tokens: np.ndarray | None = None
     """The request's token ids as checked int64 (``as_token_array``), for :meth:`record`."""
     keys: np.ndarray | None = None
-    """Its chunks' namespace-salted keys (:func:`~semblend_sglang.index.salted_keys`)."""
+    """Its chunks' namespace-salted keys (:func:`~semblend_sglang.chunk_keys.salted_keys`)."""
 
 
 class _Entry:
@@ -140,7 +139,7 @@ class DonorRouter:
             if len(caps) != n_ranks:
                 raise ValueError(f"need {n_ranks} capacities, got {len(caps)}")
             self._expire_after = [config.dispatch_expire_ratio * c for c in caps]
-        self.params = chunk_params_for_avg(config.dispatch_chunk_avg_tokens)
+        self.params = ChunkParams.for_avg(config.dispatch_chunk_avg_tokens)
         """Chunking of the router's index (``dispatch_chunk_avg_tokens``)."""
         self._postings: dict[int, list[int]] = {}  # salted key -> handles, oldest first
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU, oldest first

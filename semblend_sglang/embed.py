@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,45 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     if na == 0.0 or nb == 0.0:
         return 0.0
     return float(np.dot(a, b) / (na * nb))
+
+
+class DonorSimilarity:
+    """Embedding cosine of a prompt and a donor's tokens, each donor's embedding kept by handle
+    (at most ``cache_size``, oldest out). ``detokenize`` turns token ids into the text that is
+    embedded. Thread-safe; the embedding itself runs outside the lock."""
+
+    def __init__(
+        self,
+        embedder: WindowedEmbedder | None,
+        detokenize: Callable[[Sequence[int]], str] | None,
+        cache_size: int = 1024,
+    ) -> None:
+        self.embedder = embedder
+        self._detokenize = detokenize
+        self._cache_size = max(1, cache_size)
+        self._lock = threading.Lock()
+        self._cache: dict[Hashable, np.ndarray] = {}
+
+    def __call__(self, tokens: np.ndarray, handle: Hashable, donor: np.ndarray) -> float | None:
+        """Cosine of the embeddings of ``tokens`` and of donor ``handle``'s ``donor`` tokens;
+        None without an embedder or a detokenizer."""
+        if self.embedder is None or self._detokenize is None:
+            return None
+        query_vec = self.embedder.embed(self._detokenize(tokens.tolist()))
+        with self._lock:
+            donor_vec = self._cache.get(handle)
+        if donor_vec is None:
+            donor_vec = self.embedder.embed(self._detokenize(donor.tolist()))
+            with self._lock:
+                while len(self._cache) >= self._cache_size:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[handle] = donor_vec
+        return cosine(query_vec, donor_vec)
+
+    def forget(self, handle: Hashable) -> None:
+        """Drop donor ``handle``'s kept embedding (it is no longer a donor)."""
+        with self._lock:
+            self._cache.pop(handle, None)
 
 
 _cache_lock = threading.Lock()

@@ -1,13 +1,13 @@
 """Token index: finds donors that share token content with a query, at any offset.
 
 Each donor is cut into content-defined chunks (:mod:`semblend_sglang.chunking`); the distinct chunk
-hashes, salted with the namespace, are its postings. Postings live in a few sorted numpy runs
-(merged like a log-structured tree: each run more than 16x the next one, so a probe searches two
-to four up to 100,000 donors), so memory per donor is O(number of chunks): 12 bytes per distinct
-chunk, a 64-byte bottom-k sketch, the record and the engine's handle. A large run in which keys
-repeat (a document many donors share) also keeps its distinct keys, at most a quarter of its
-postings, and the probe searches that small, cache-resident array instead. The donor's tokens are
-kept (int32) only when the engine cannot give them back.
+keys, salted with the namespace (:mod:`semblend_sglang.chunk_keys`), are its postings. Postings live
+in a few sorted numpy runs (merged like a log-structured tree: each run more than 16x the next one,
+so a probe searches two to four up to 100,000 donors), so memory per donor is O(number of chunks):
+12 bytes per distinct chunk, a 64-byte bottom-k sketch, the record and the engine's handle. A large
+run in which keys repeat (a document many donors share) also keeps its distinct keys, at most a
+quarter of its postings, and the probe searches that small, cache-resident array instead. The
+donor's tokens are kept (int32) only when the engine cannot give them back.
 
 A probe weighs each donor by the query tokens in chunks it shares (a lower bound of what alignment
 can reuse) and ranks by (shared tokens, sketch similarity, newest). It runs as a fixed number of
@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .chunk_keys import salted_keys, sketch_of, sketch_similarities_of_keys
 from .chunking import ChunkParams, Chunks, chunk_tokens
-from .namespace import Namespace, namespace_salt
+from .namespace import Namespace
 
 U64 = np.uint64
-SKETCH_SIZE = 16
-"""Bottom-k sketch size: the 16 smallest salted chunk keys, high 32 bits each (64 bytes)."""
 _MERGE_RATIO = 16
 """A run is merged into the one before it while that one holds at most this many times its
 postings."""
@@ -41,7 +40,6 @@ forgotten since count until compaction drops them). A chunk
 shared by thousands of donors (boilerplate, a popular document) then costs a bounded amount, and
 the donors it does return are the most recently registered, which are also the likeliest to still
 be resident."""
-_KEY_MUL = U64(0x94D049BB133111EB)
 _ONE = U64(1)
 _ID_DTYPE = np.uint32
 _MAX_ID = int(np.iinfo(_ID_DTYPE).max)
@@ -96,72 +94,6 @@ class Candidate:
     shared_tokens: int
     sketch_similarity: float
     tokens: np.ndarray | None
-
-
-def salted_keys(chunks: Chunks, namespace: Namespace) -> np.ndarray:
-    """Posting keys of ``chunks`` in ``namespace``: ``((chunk hash XOR namespace salt) * M) >> 1``
-    (``M`` a fixed odd constant): 63-bit, so ``key + 1`` never wraps.
-
-    Returned in chunk order (not deduplicated). Keys of different namespaces never coincide
-    except by a hash collision, which the namespace check on every candidate rules out.
-    """
-    keys = chunks.hashes ^ U64(namespace_salt(namespace))
-    keys *= _KEY_MUL
-    keys >>= _ONE
-    return keys
-
-
-def sketch_of(sorted_unique_keys: np.ndarray) -> bytes:
-    """Bottom-k sketch (high 32 bits of the :data:`SKETCH_SIZE` smallest keys) as bytes."""
-    return (sorted_unique_keys[:SKETCH_SIZE] >> U64(32)).astype(np.uint32).tobytes()
-
-
-def sketch_similarity(a: bytes, b: bytes) -> float:
-    """Resemblance of two bottom-k sketches, |A & B| / |A | B| (an estimate of the Jaccard
-    similarity of the chunk sets behind them; 0.0 when either is empty)."""
-    return float(sketch_similarities(a, [b])[0])
-
-
-def sketch_similarities(query: bytes, others: list[bytes]) -> np.ndarray:
-    """:func:`sketch_similarity` of ``query`` with each of ``others`` (float64 array)."""
-    q = set(np.frombuffer(query, dtype=np.uint32).tolist())
-    out = np.zeros(len(others), dtype=np.float64)
-    if not q:
-        return out
-    for i, other in enumerate(others):
-        o = set(np.frombuffer(other, dtype=np.uint32).tolist())
-        if o:
-            inter = len(q & o)
-            out[i] = inter / (len(q) + len(o) - inter)
-    return out
-
-
-def _sketch_similarities_of_keys(keys: np.ndarray, others: list[bytes]) -> list[float]:
-    """:func:`sketch_similarity` of the sketch of ``keys`` (any order, duplicates allowed) with
-    each of ``others``; the same values as ``sketch_similarities(sketch_of(np.unique(keys)),
-    others)`` for a handful of sketches, in a few Python set operations."""
-    smallest = keys.copy()
-    smallest.sort()
-    q: set[int] = set()
-    prev = None
-    distinct = 0
-    for key in smallest.tolist():
-        if key != prev:
-            q.add(key >> 32)
-            prev = key
-            distinct += 1
-            if distinct == SKETCH_SIZE:
-                break
-    flat = np.frombuffer(b"".join(others), dtype=np.uint32).tolist()
-    out = []
-    at = 0
-    for other in others:
-        end = at + len(other) // 4
-        o = set(flat[at:end])
-        at = end
-        inter = len(q & o)
-        out.append(inter / (len(q) + len(o) - inter) if q and o else 0.0)
-    return out
 
 
 _DIRECTORY_MIN = 4096
@@ -428,7 +360,7 @@ class TokenIndex:
                     scores.append(score)
         if not records:
             return []
-        sims = _sketch_similarities_of_keys(qkeys, [rec.sketch for rec in records])
+        sims = sketch_similarities_of_keys(qkeys, [rec.sketch for rec in records])
         ranked = sorted(
             zip(records, scores, sims, strict=True),
             key=lambda item: (-item[1], -item[2], -item[0].donor_id),

@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .align import FuzzyMatch, Span
+from .align import Span
 from .config import Config
 from .namespace import Namespace
 
@@ -60,9 +60,7 @@ class ReusePlan:
     prompt token left to compute), sorted by ``target_start``, and do not overlap in the target
     (nor in a donor, for spans of the same donor). ``donor_handle`` is the donor of the most
     reused tokens; ``span_donors`` (empty: every span is ``donor_handle``'s) names each span's.
-    ``substitutions`` (substitute mode only) lists near-identical chunk pairs whose target
-    tokens the engine may replace by the donor's. ``similarity`` is the gate value
-    (substitute mode) or None.
+    ``similarity`` is the substitute-mode gate value, or None.
     """
 
     donor_handle: Hashable
@@ -74,7 +72,6 @@ class ReusePlan:
     page_size: int
     sink_tokens: int
     substitute: bool = False
-    substitutions: tuple[FuzzyMatch, ...] = ()
     similarity: float | None = None
     span_donors: tuple[Hashable, ...] = ()
 
@@ -221,7 +218,6 @@ def build_plan(
     page_size: int,
     donor_handle: Hashable,
     donor_namespace: Namespace,
-    substitutions: tuple[FuzzyMatch, ...] = (),
     similarity: float | None = None,
     span_donors: tuple[Hashable, ...] = (),
 ) -> Decision:
@@ -262,7 +258,6 @@ def build_plan(
         page_size=page_size,
         sink_tokens=config.sink_tokens,
         substitute=config.mode == "substitute",
-        substitutions=substitutions,
         similarity=similarity,
         span_donors=() if len(per_donor) == 1 else kept_donors,
     )

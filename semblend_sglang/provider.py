@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .align import AlignLimits, Anchors, Span, align, anchors_of, fuzzy_chunk_matches
+from .align import AlignLimits, Anchors, Span, align, anchors_of
 from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
 from .config import Config
-from .embed import WindowedEmbedder, cosine, load_embedder
+from .decisions import MAX_CACHED_REQUESTS, RequestDecisions
+from .embed import DonorSimilarity, WindowedEmbedder, load_embedder
 from .index import Candidate, TokenIndex
 from .lookup_budget import LookupBudget
 from .namespace import Namespace
@@ -41,20 +42,6 @@ asked per candidate during a lookup, so that an evicted donor is forgotten and t
 tried, and a partly evicted one is aligned over what is left."""
 Detokenize = Callable[[Sequence[int]], str]
 """Turns token ids back into text (only for the embedder)."""
-
-MAX_CACHED_REQUESTS = 65536
-_EMBED_CACHE_SIZE = 1024
-
-
-def chunk_params_for(config: Config) -> ChunkParams:
-    """Content-defined chunking parameters derived from ``config.chunk_avg_tokens``."""
-    return chunk_params_for_avg(config.chunk_avg_tokens)
-
-
-def chunk_params_for_avg(avg: int) -> ChunkParams:
-    """The chunking the provider uses at average chunk length ``avg`` (a power of two): window
-    8, chunks of ``max(8, avg // 4)`` to ``4 * avg`` tokens."""
-    return ChunkParams(window=8, avg=avg, min_size=max(8, avg // 4), max_size=avg * 4)
 
 
 class SemanticProvider:
@@ -82,25 +69,21 @@ class SemanticProvider:
         self.config = config
         self.telemetry = telemetry if telemetry is not None else Telemetry(registry)
         self._token_source = token_source
-        self._detokenize = detokenize
         self.index = TokenIndex(
-            chunk_params_for(config),
+            ChunkParams.for_avg(config.chunk_avg_tokens),
             config.max_donors,
             keep_tokens=token_source is None,
             max_bytes=config.max_index_bytes,
         )
         self._lock = threading.Lock()
-        self._decisions: dict[Hashable, Decision] = {}
-        self._pending: dict[Hashable, Decision] = {}
-        self._max_cached = max(1, max_cached_requests)
+        self.decisions = RequestDecisions(self.telemetry, max_cached_requests)
         self._logged: set[tuple[str, str]] = set()
-        self._embed_cache: dict[Hashable, np.ndarray] = {}
         needs_embedder = config.embedder == "minilm" and (
             config.mode == "substitute" or (config.discovery_only and config.embed_discovery)
         )
-        self._embedder = embedder
-        if self._embedder is None and needs_embedder:
-            self._embedder = self._guard("embedder", lambda: load_embedder(config.embedder))
+        if embedder is None and needs_embedder:
+            embedder = self._guard("embedder", lambda: load_embedder(config.embedder))
+        self._similarity = DonorSimilarity(embedder, detokenize)
 
     # ------------------------------------------------------------------ donors
     def register(
@@ -120,7 +103,7 @@ class SemanticProvider:
                 return []
             evicted = self.index.register(namespace, handle, tokens)
             for gone in evicted:
-                self._embed_cache.pop(gone, None)
+                self._similarity.forget(gone)
             self.telemetry.set_donors(len(self.index))
             return evicted
 
@@ -134,12 +117,7 @@ class SemanticProvider:
     def forget(self, handle: Hashable) -> None:
         """Drop donor ``handle`` (its KV is gone). Unknown handles are ignored. Never raises."""
 
-        def work() -> None:
-            self.index.forget(handle)
-            self._embed_cache.pop(handle, None)
-            self.telemetry.set_donors(len(self.index))
-
-        self._guard("forget", work)
+        self._guard("forget", lambda: self._drop_donor(handle))
 
     def donor_tokens(self, handle: Hashable) -> np.ndarray | None:
         """Tokens of donor ``handle``: the index's copy, else the token source's answer; None
@@ -183,7 +161,7 @@ class SemanticProvider:
         engine reports it. Never raises: errors give ``Decision("decline", "cold_fallback")``.
         """
         if request_id is not None:
-            cached = self._decisions.get(request_id)
+            cached = self.decisions.get(request_id)
             if cached is not None:
                 return cached
         started = time.perf_counter()
@@ -195,32 +173,14 @@ class SemanticProvider:
             decision = Decision.decline(Reason.COLD_FALLBACK)
         self.telemetry.observe_lookup(time.perf_counter() - started)
         if request_id is None:
-            self._record_final(decision)
+            self.decisions.record_final(decision)
             return decision
-        with self._lock:
-            cached = self._decisions.get(request_id)
-            if cached is not None:
-                return cached
-            self._decisions[request_id] = decision
-            if decision.kind == "plan":
-                self._pending[request_id] = decision
-            while len(self._decisions) > self._max_cached:
-                oldest = next(iter(self._decisions))
-                del self._decisions[oldest]
-                if self._pending.pop(oldest, None) is not None:
-                    self.telemetry.record_outcome("declined", reason=Reason.UNREPORTED)
-        if decision.kind != "plan":
-            self._record_final(decision)
-        return decision
+        return self.decisions.keep(request_id, decision)
 
     def release(self, request_id: Hashable) -> None:
         """Forget the cached decision of a finished request. A plan whose outcome the engine did
         not report is counted as declined (``unreported``). Never raises."""
-        with self._lock:
-            self._decisions.pop(request_id, None)
-            pending = self._pending.pop(request_id, None)
-        if pending is not None:
-            self.telemetry.record_outcome("declined", reason=Reason.UNREPORTED)
+        self.decisions.release(request_id)
 
     # ------------------------------------------------------------------ outcomes
     def record_materialized(
@@ -229,17 +189,17 @@ class SemanticProvider:
         """The engine materialized ``reused_tokens`` donor tokens of the request's plan, in
         ``spans`` spans read from ``donors`` distinct donors. Returns False (and records
         nothing) when the request has no pending plan."""
-        return self._settle(request_id, "materialized", None, reused_tokens, spans, donors)
+        return self.decisions.settle(request_id, "materialized", None, reused_tokens, spans, donors)
 
     def record_declined(self, request_id: Hashable, reason: str = Reason.ENGINE_DECLINED) -> bool:
         """The engine did not use the request's plan (``reason``, e.g. capacity or stale donor).
         Returns False when the request has no pending plan."""
-        return self._settle(request_id, "declined", reason, 0)
+        return self.decisions.settle(request_id, "declined", reason, 0)
 
     def record_cold_fallback(self, request_id: Hashable, where: str = "engine") -> bool:
         """Materializing the request's plan failed; the engine fell back to a normal prefill.
         Returns False when the request has no pending plan."""
-        settled = self._settle(request_id, "cold_fallback", None, 0)
+        settled = self.decisions.settle(request_id, "cold_fallback", None, 0)
         if settled:
             self.telemetry.record_error(where)
         return settled
@@ -248,40 +208,10 @@ class SemanticProvider:
         """Telemetry snapshot plus index statistics and the number of pending plans."""
         snap = self.telemetry.snapshot()
         snap["index"] = self.index.stats()
-        with self._lock:
-            snap["pending_plans"] = len(self._pending)
-            snap["cached_decisions"] = len(self._decisions)
+        snap.update(self.decisions.counts())
         return snap
 
     # ------------------------------------------------------------------ internals
-    def _settle(
-        self,
-        request_id: Hashable,
-        outcome: str,
-        reason: str | None,
-        reused: int,
-        spans: int = 0,
-        donors: int = 0,
-    ) -> bool:
-        with self._lock:
-            pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return False
-        self.telemetry.record_outcome(
-            outcome, reason=reason, reused=reused, spans=spans, donors=donors
-        )
-        return True
-
-    def _record_final(self, decision: Decision) -> None:
-        if decision.kind == "exact":
-            self.telemetry.record_outcome("exact")
-        elif decision.reason == Reason.DISCOVERY_ONLY:
-            self.telemetry.record_outcome("discovery_only")
-        elif decision.reason == Reason.COLD_FALLBACK:
-            self.telemetry.record_outcome("cold_fallback")
-        else:
-            self.telemetry.record_outcome("declined", reason=decision.reason)
-
     def _decide(
         self,
         namespace: Namespace,
@@ -449,9 +379,7 @@ class SemanticProvider:
             return donor
         left = int(alive(cand.handle, donor))
         if left < self.config.min_span_tokens:
-            self.index.forget(cand.handle)
-            self._embed_cache.pop(cand.handle, None)
-            self.telemetry.set_donors(len(self.index))
+            self._drop_donor(cand.handle)
             return None
         return donor[:left]
 
@@ -462,9 +390,7 @@ class SemanticProvider:
             return None
         got = self._token_source(cand.handle)
         if got is None:
-            self.index.forget(cand.handle)
-            self._embed_cache.pop(cand.handle, None)
-            self.telemetry.set_donors(len(self.index))
+            self._drop_donor(cand.handle)
             return None
         return as_token_array(got)
 
@@ -489,37 +415,17 @@ class SemanticProvider:
             else found
         )
         similarity: float | None = None
-        substitutions: tuple = ()
         if config.mode == "substitute":
             if config.embedder == "jaccard":
                 similarity = cand.sketch_similarity
             elif config.embedder == "minilm":
-                similarity = self._embedding_similarity(tokens, cand.handle, donor)
+                similarity = self._similarity(tokens, cand.handle, donor)
                 if similarity is None:
                     return Decision.decline(Reason.NO_EMBEDDER)
             if similarity is not None and similarity < config.min_similarity:
                 return Decision.decline(Reason.SIMILARITY_LOW)
-            if config.fuzzy_chunks:
-                params = self.index.params
-                substitutions = tuple(
-                    type(m)(
-                        m.target_start + exact_len,
-                        m.target_end + exact_len,
-                        m.donor_start,
-                        m.donor_end,
-                        m.similarity,
-                    )
-                    for m in fuzzy_chunk_matches(
-                        region,
-                        donor,
-                        chunk_tokens(region, params),
-                        chunk_tokens(donor, params),
-                        threshold=config.fuzzy_threshold,
-                        exclude=found,
-                    )
-                )
         elif config.discovery_only and config.embed_discovery:
-            similarity = self._embedding_similarity(tokens, cand.handle, donor)
+            similarity = self._similarity(tokens, cand.handle, donor)
             if similarity is not None:
                 self.telemetry.observe_similarity(similarity)
         return build_plan(
@@ -530,25 +436,14 @@ class SemanticProvider:
             page_size=page_size,
             donor_handle=cand.handle,
             donor_namespace=cand.namespace,
-            substitutions=substitutions,
             similarity=similarity,
         )
 
-    def _embedding_similarity(
-        self, tokens: np.ndarray, handle: Hashable, donor: np.ndarray
-    ) -> float | None:
-        if self._embedder is None or self._detokenize is None:
-            return None
-        query_vec = self._embedder.embed(self._detokenize(tokens.tolist()))
-        with self._lock:
-            donor_vec = self._embed_cache.get(handle)
-        if donor_vec is None:
-            donor_vec = self._embedder.embed(self._detokenize(donor.tolist()))
-            with self._lock:
-                while len(self._embed_cache) >= _EMBED_CACHE_SIZE:
-                    self._embed_cache.pop(next(iter(self._embed_cache)))
-                self._embed_cache[handle] = donor_vec
-        return cosine(query_vec, donor_vec)
+    def _drop_donor(self, handle: Hashable) -> None:
+        """Forget donor ``handle`` everywhere the provider keeps something of it."""
+        self.index.forget(handle)
+        self._similarity.forget(handle)
+        self.telemetry.set_donors(len(self.index))
 
     def _guard(self, where: str, work: Callable[[], Any]) -> Any:
         try:

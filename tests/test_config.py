@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 
-from semblend_sglang.config import FIELDS, Config, ConfigError, FieldSpec, cli_options
+from semblend_sglang.config import (
+    FIELDS,
+    Config,
+    ConfigError,
+    FieldSpec,
+    cli_options,
+    parse_value,
+    settings_table,
+)
+from semblend_sglang.config_fields import format_default
 
-SEED_000_EXTRA_CONFIG = {
+# The kv_connector_extra_config of the semblend-vllm-connector package's description, less its
+# `provider` key (the vLLM connector's settings accept and drop it; tests/test_vllm_settings.py).
+SEMBLEND_VLLM_CONNECTOR_EXTRA_CONFIG = {
     "mode": "discovery_only",
-    "provider": "semblend",
     "min_prompt_tokens": 256,
     "min_similarity": 0.70,
     "min_reuse_ratio": 0.50,
@@ -26,7 +38,6 @@ def test_defaults_match_the_documented_table() -> None:
     assert config.mode == "exact_spans"
     assert config.min_similarity == 0.60
     assert config.embedder == "minilm"
-    assert config.fuzzy_chunks is False
     assert config.discovery_only is False
     assert config.strict_prefix_boundary is False
     assert config.max_plan_donors == 8
@@ -42,7 +53,6 @@ def test_env_values_are_parsed() -> None:
             "SEMBLEND_ENABLED": "0",
             "SEMBLEND_MIN_SIMILARITY": "0.75",
             "SEMBLEND_EMBEDDER": "Jaccard",
-            "SEMBLEND_FUZZY_CHUNKS": "yes",
             "SEMBLEND_STRICT_PREFIX_BOUNDARY": "false",
             "SEMBLEND_EXACT_MATERIALIZATION_ONLY": "off",
             "SEMBLEND_MODE": "substitute",
@@ -54,7 +64,6 @@ def test_env_values_are_parsed() -> None:
     assert config.enabled is False
     assert config.min_similarity == 0.75
     assert config.embedder == "jaccard"
-    assert config.fuzzy_chunks is True
     assert config.strict_prefix_boundary is False
     assert config.mode == "substitute"
     assert config.max_spans == 3
@@ -62,11 +71,11 @@ def test_env_values_are_parsed() -> None:
     assert config.unknown_keys == ()
 
 
-def test_seed_000_json_shape_is_accepted() -> None:
-    config = Config.from_json(SEED_000_EXTRA_CONFIG)
+def test_semblend_vllm_connector_json_shape_is_accepted() -> None:
+    config = Config.from_json(SEMBLEND_VLLM_CONNECTOR_EXTRA_CONFIG)
     assert config.mode == "discovery_only"
     assert config.discovery_only
-    assert config.provider == "semblend"
+    assert config.unknown_keys == ()
     assert config.min_prompt_tokens == 256
     assert config.min_similarity == 0.70
     assert config.min_reuse_ratio == 0.50
@@ -199,7 +208,6 @@ def test_cli_mapping_covers_every_field() -> None:
         "SEMBLEND_ENABLED",
         "SEMBLEND_MIN_SIMILARITY",
         "SEMBLEND_EMBEDDER",
-        "SEMBLEND_FUZZY_CHUNKS",
         "SEMBLEND_DISCOVERY_ONLY",
         "SEMBLEND_STRICT_PREFIX_BOUNDARY",
         "SEMBLEND_EXACT_MATERIALIZATION_ONLY",
@@ -217,26 +225,44 @@ def test_config_is_frozen_and_validated_on_construction() -> None:
     assert Config(max_spans=2).as_dict()["max_spans"] == 2
 
 
-def test_every_field_is_in_the_documented_table_with_its_names_and_default() -> None:
-    """docs/provider.md's settings table names each field's env var, flag and JSON key and its
-    default; FIELDS is where they are declared, so the table must follow it."""
-    from pathlib import Path
+def test_fields_are_derived_from_the_config_dataclass() -> None:
+    """Each setting is declared once, as a Config field: FIELDS is those fields in order (with
+    the discovery_only shorthand after mode), each spec's default the field's default."""
+    declared = [f for f in dataclasses.fields(Config) if f.name != "unknown_keys"]
+    names = [f.name for f in declared]
+    assert [s.name for s in FIELDS] == [*names[:2], "discovery_only", *names[2:]]
+    by_name = {s.name: s for s in FIELDS}
+    for f in declared:
+        assert by_name[f.name].default == f.default, f.name
+        assert by_name[f.name].type in (bool, int, float, str), f.name
+        assert by_name[f.name].help, f.name
 
-    from semblend_sglang.config import parse_value
 
+def test_the_documented_table_is_the_generated_one() -> None:
+    """docs/provider.md holds `semblend-sglang settings`' table, unedited."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "provider.md").read_text()
-    rows = {}
-    for line in doc.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 5 and cells[1].startswith("SEMBLEND_"):
-            rows[cells[0]] = cells
+    begin = doc.index("<!-- settings table:")
+    start = doc.index("\n", begin) + 1
+    end = doc.index("<!-- end of settings table -->", start)
+    assert doc[start:end] == settings_table(), (
+        "docs/provider.md's settings table is stale: replace it by `semblend-sglang settings`"
+    )
+
+
+def test_every_default_reads_back_from_the_table() -> None:
     for spec in FIELDS:
-        assert spec.name in rows, f"{spec.name} missing from docs/provider.md"
-        _, env, flag, json_keys, default = rows[spec.name][:5]
-        assert (env, flag) == (spec.env, spec.flag), spec.name
-        assert spec.name in [k.strip() for k in json_keys.split(",")], spec.name
-        shown = default.strip('"').replace(",", "")
+        shown = format_default(spec)
         if shown.endswith(" MiB"):
             shown = str(int(shown.removesuffix(" MiB")) * 1024 * 1024)
-        value = parse_value(spec, shown, spec.name) if shown else ""
-        assert value == spec.default, (spec.name, default, spec.default)
+        value = parse_value(spec, "" if shown == '""' else shown, spec.name)
+        assert value == spec.default, spec.name
+
+
+def test_settings_command_prints_the_table() -> None:
+    from click.testing import CliRunner
+
+    from semblend_sglang.cli import main
+
+    result = CliRunner().invoke(main, ["settings"])
+    assert result.exit_code == 0, result.output
+    assert result.output == settings_table()

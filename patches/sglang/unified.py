@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
@@ -61,18 +62,13 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
     """Hooks for sglang 0.5.21+ (``UnifiedRadixCache``; Rust or Python tree core)."""
 
     name = "unified-radix-cache"
+    supported = SpecifierSet(">=0.5.21,<0.6")
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self._pending_keep: dict[int, PendingKeep] = {}
         """Finished requests to keep as held donors, by ``id(req.kv)``, from their last
         checkpoint to their row's release (``free_kv_row``)."""
-
-    @classmethod
-    def supports(cls, version: Any) -> bool:
-        from packaging.version import Version
-
-        return bool(Version("0.5.21") <= version < Version("0.6"))
 
     # ----------------------------------------------------------------- install
     def apply(self) -> None:

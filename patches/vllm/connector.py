@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from semblend_sglang.config import ConfigError
 from semblend_sglang.kernels import RopeSpec
 
+from . import SUPPORTED_VLLM, installed_vllm_version
 from .metadata import SemBlendConnectorMetadata
 from .scheduler_side import SchedulerSide, unsupported_reason
 from .settings import ConnectorSettings, settings_from_extra_config
@@ -61,7 +62,7 @@ T = TypeVar("T")
 
 HAS_MODEL_HOOK = hasattr(KVConnectorBase_V1, "register_model")
 """Whether the installed vLLM calls ``register_model(model)`` on worker connectors (the first
-form of vLLM PR 37339, seed 003)."""
+form of vLLM PR 37339, "Add register_model() to KVConnectorBase_V1")."""
 HAS_WORKER_INIT_HOOK = hasattr(KVConnectorBase_V1, "initialize_worker_connector")
 """Whether the installed vLLM calls ``initialize_worker_connector(WorkerConnectorInitialization
 Data(model=...))`` on worker connectors (the form PR 37339 ended with). With neither hook the
@@ -130,6 +131,13 @@ class SemBlendConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
         self.settings = settings_from_extra_config(extra)
+        version = installed_vllm_version()
+        if version is None or not SUPPORTED_VLLM.contains(version, prereleases=True):
+            logger.warning(
+                "semblend: vLLM %s is untested with this connector (tested: %s)",
+                version,
+                SUPPORTED_VLLM,
+            )
         check_engine_settings(self.settings, vllm_config)
         cache_config = vllm_config.cache_config
         self.block_size = int(cache_config.block_size)

@@ -1,6 +1,8 @@
 """The connector's settings: vLLM's ``kv_connector_extra_config`` over SEMBLEND_* variables.
 
-The connector modes (seed 000's names) map onto the shared :class:`~semblend_sglang.config.Config`:
+The connector modes (the names of the ``semblend-vllm-connector`` package, whose PyPI description
+documents its ``kv_connector_extra_config``) map onto the shared
+:class:`~semblend_sglang.config.Config`:
 
 ========================== ============================ =================================
 connector ``mode``         provider mode                what the connector does
@@ -12,11 +14,13 @@ connector ``mode``         provider mode                what the connector does
                                                         prefix run (tokens may differ)
 ========================== ============================ =================================
 
-Every other key of seed 000 (``provider``, ``min_prompt_tokens``, ``min_similarity``,
-``min_reuse_ratio``, ``embedder_type``, ``model_id``) and of ``Config`` is passed to
-``Config.from_sources``; the connector's own keys are listed in :data:`CONNECTOR_KEYS`. Bad values
-raise :class:`~semblend_sglang.config.ConfigError` naming the key; the connector raises it from
-its constructor (start-up), never from a request.
+That package's other keys (``min_prompt_tokens``, ``min_similarity``, ``min_reuse_ratio``,
+``embedder_type``, ``model_id``), and every key of ``Config``, are passed to
+``Config.from_sources``. Its ``provider`` key (``local`` or ``semblend``: which backend it ran)
+is validated and ignored: both name this package's index, the only provider there is. The
+connector's own keys are listed in :data:`CONNECTOR_KEYS`. Bad values raise
+:class:`~semblend_sglang.config.ConfigError` naming the key; the connector raises it from its
+constructor (start-up), never from a request.
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ _PROVIDER_MODE = {
     "request_only_experimental": "substitute",
 }
 
-CONNECTOR_KEYS = ("mode", "donor_block_fraction", "kv_cache_layout")
+CONNECTOR_KEYS = ("mode", "donor_block_fraction", "kv_cache_layout", "provider")
 """``kv_connector_extra_config`` keys the connector reads itself (all others go to Config)."""
+
+PROVIDERS = ("local", "semblend")
+"""Accepted values of the ``provider`` key (both mean this package's index; the key is
+otherwise ignored)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,9 @@ def settings_from_extra_config(
         or not 0.0 < float(fraction) <= 0.9
     ):
         raise ConfigError("donor_block_fraction", fraction, "a number in (0, 0.9]")
+    provider = extra.get("provider", "local")
+    if provider not in PROVIDERS:
+        raise ConfigError("provider", provider, "one of " + ", ".join(PROVIDERS))
     layout = extra.get("kv_cache_layout", "auto")
     if layout not in KV_LAYOUTS:
         raise ConfigError("kv_cache_layout", layout, "one of " + ", ".join(KV_LAYOUTS))

@@ -1,4 +1,4 @@
-"""scripts/bootstrap-legacy.sh is idempotent: with nothing changed, `make venv-legacy` installs
+"""`scripts/bootstrap.sh legacy` is idempotent: with nothing changed, `make venv-legacy` installs
 nothing. Skipped unless the installed sglang is a legacy version (`make test-legacy`)."""
 
 from __future__ import annotations
