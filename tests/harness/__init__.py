@@ -8,6 +8,8 @@
 * `hazard`: the deliberately wrong integration the checker must catch;
 * `traffic`: real-text prompts and the randomized driver;
 * `reuse`: checks of what semantic reuse loaded;
+* `attention_backend`: sglang's real torch_native `forward_extend` on a random batch, and the
+  dense reference;
 * `versions`: which version is installed, and what the adapter-contract suite
   (tests/contract) needs to know about it.
 

@@ -223,8 +223,11 @@ class LegacyCacheHarness(CacheHarness):
     def tree_walk(self) -> TreeWalk:
         """Every device slot of the tree with its position, previous slot on its path, token id
         and namespace id (read from the node keys); raises on a slot owned twice."""
-        walk = TreeWalk([], [], [], [], [])
-        assert walk.tokens is not None and walk.namespaces is not None
+        slots: list[int] = []
+        positions: list[int] = []
+        prevs: list[int] = []
+        tokens: list[int] = []
+        nss: list[int] = []
         seen: set[int] = set()
         stack = [(child, 0, -1) for child in self.cache.root_node.children.values()]
         while stack:
@@ -246,15 +249,15 @@ class LegacyCacheHarness(CacheHarness):
                     if slot in seen:
                         raise InvariantViolation(f"slot {slot} owned by two tree nodes")
                     seen.add(slot)
-                    walk.slots.append(slot)
-                    walk.positions.append(depth + i)
-                    walk.prevs.append(last)
-                    walk.tokens.append(int(tok))
-                    walk.namespaces.append(ns)
+                    slots.append(slot)
+                    positions.append(depth + i)
+                    prevs.append(last)
+                    tokens.append(int(tok))
+                    nss.append(ns)
                     last = slot
             for child in node.children.values():
                 stack.append((child, depth + len(token_ids), last))
-        return walk
+        return TreeWalk(slots, positions, prevs, tokens, nss)
 
     # ---- the tree, for tests ----------------------------------------------------------------
 

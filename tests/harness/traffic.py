@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from tests.harness.driver import CacheHarness
 from tests.harness.invariants import check_invariants
 
 INSTRUCTIONS = [
@@ -55,7 +56,9 @@ def document(passages: list[list[list[int]]], essay: int, count: int) -> list[in
     return [t for p in passages[essay][:count] for t in p]
 
 
-def semantic_pair(h: Any, passages: list[list[list[int]]], instructions: list[list[int]]) -> Any:
+def semantic_pair(
+    h: CacheHarness, passages: list[list[list[int]]], instructions: list[list[int]]
+) -> Any:
     """Run a donor (instruction 0 + essay 2's document) to completion, then submit the target
     (instruction 5 + the same document, two new tokens) and return it (not yet stepped)."""
     doc = document(passages, 2, 8)
