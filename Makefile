@@ -20,7 +20,7 @@ VENV_sglang = $(VENV)
 VENV_legacy = $(VENV_LEGACY)
 VENV_vllm = $(VENV_VLLM)
 TESTS_sglang = --ignore=tests/legacy --ignore=tests/vllm
-TESTS_legacy = tests/legacy
+TESTS_legacy = tests/legacy tests/contract
 TESTS_vllm = tests/vllm
 RUN_vllm = timeout 2400
 

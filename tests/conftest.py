@@ -1,4 +1,5 @@
-"""Shared fixtures: the prepared SmolLM2 model, its tokenizer, and the real essays.
+"""Shared fixtures: the prepared SmolLM2 model, its tokenizer and sglang model config, the real
+essays, and the token lists the cache-harness tests build prompts from (tests/harness).
 
 The model folder is prepared inside the clone (``$SEMBLEND_MODEL_CACHE``, set by the Makefile to
 ``.cache/models``) so a test run depends on nothing cached outside it.
@@ -44,3 +45,30 @@ def essay_texts() -> list[str]:
     from semblend_sglang.data import essay_texts as load
 
     return load()
+
+
+@pytest.fixture(scope="module")
+def model_config(smollm2_model_dir: Path) -> Any:
+    """sglang's ModelConfig of the prepared SmolLM2 folder (3 KV heads, head dim 64)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(model_path=str(smollm2_model_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def passages(smollm2_tokenizer: Any, essay_texts: list[str]) -> list[list[list[int]]]:
+    """Per essay (first 12), consecutive passages of its SmolLM2 tokens, 50-130 tokens each
+    (tests/harness/traffic.py `essay_passages`); at least 8 essays."""
+    from tests.harness.traffic import essay_passages
+
+    out = essay_passages(smollm2_tokenizer, essay_texts)
+    assert len(out) >= 8
+    return out
+
+
+@pytest.fixture(scope="module")
+def instructions(smollm2_tokenizer: Any) -> list[list[int]]:
+    """The instruction sentences (tests/harness/traffic.py `INSTRUCTIONS`) as SmolLM2 ids."""
+    from tests.harness.traffic import INSTRUCTIONS
+
+    return [smollm2_tokenizer.encode(t, add_special_tokens=False) for t in INSTRUCTIONS]

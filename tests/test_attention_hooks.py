@@ -5,16 +5,14 @@ the fallbacks, install/remove, sparse_extend_supported and the CPU plugin switch
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from semblend_sglang.cpu_runtime import ensure_torchvision_importable
-from semblend_sglang.kernels.sparse_extend import extend_attention_reference
-from tests.sparse_extend_batches import Batch, random_batch
+from tests.harness.attention_backend import ATOL, forward, forward_batch, reference
+from tests.sparse_extend_batches import random_batch
 
 pytest.importorskip("sglang")
 ensure_torchvision_importable()
@@ -24,100 +22,11 @@ from sglang.srt.layers.attention.torch_native_backend import (  # noqa: E402
 )
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from semblend_sglang.patches.sglang import attention  # noqa: E402
 
-ATOL = 2e-5
 SHIPPED_FORWARD_EXTEND = TorchNativeAttnBackend.forward_extend
 SHIPPED_RUN_SDPA = TorchNativeAttnBackend._run_sdpa_forward_extend
-
-
-@dataclass
-class FB:
-    """The ForwardBatch fields torch_native's extend and the hooks read."""
-
-    forward_mode: Any
-    extend_prefix_lens: torch.Tensor
-    extend_prefix_lens_cpu: list[int]
-    extend_seq_lens: torch.Tensor
-    extend_seq_lens_cpu: list[int]
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    req_pool_indices: torch.Tensor
-    positions: torch.Tensor | None
-    out_cache_loc: torch.Tensor
-    encoder_lens: torch.Tensor | None = None
-
-
-class Pool:
-    """A one-layer KV pool with the three methods torch_native uses."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k.clone(), v.clone()
-
-    def set_kv_buffer(self, layer: Any, loc: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[loc.loc] = k.view(-1, *self.k.shape[1:])
-        self.v[loc.loc] = v.view(-1, *self.v.shape[1:])
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v
-
-
-def _backend(batch: Batch) -> TorchNativeAttnBackend:
-    backend = object.__new__(TorchNativeAttnBackend)
-    backend.req_to_token_pool = SimpleNamespace(req_to_token=batch.req_to_token)
-    backend.token_to_kv_pool = Pool(batch.k_cache, batch.v_cache)
-    backend.use_sliding_window_kv_pool = False
-    backend.swa_out_cache_loc = None
-    backend.device = "cpu"
-    return backend
-
-
-def _layer(batch: Batch, **kw: Any) -> SimpleNamespace:
-    hq, hkv, d = batch.q.shape[1], batch.k.shape[1], batch.q.shape[2]
-    fields = {
-        "tp_q_head_num": hq,
-        "tp_k_head_num": hkv,
-        "qk_head_dim": d,
-        "v_head_dim": d,
-        "is_cross_attention": False,
-        "attn_type": AttentionType.DECODER,
-        "scaling": d**-0.5,
-        "sliding_window_size": -1,
-        "layer_id": 0,
-    }
-    return SimpleNamespace(**{**fields, **kw})
-
-
-def _fb(batch: Batch, **kw: Any) -> FB:
-    fields = {
-        "forward_mode": ForwardMode.EXTEND,
-        "extend_prefix_lens": batch.extend_prefix_lens,
-        "extend_prefix_lens_cpu": batch.extend_prefix_lens.tolist(),
-        "extend_seq_lens": batch.extend_seq_lens,
-        "extend_seq_lens_cpu": batch.extend_seq_lens.tolist(),
-        "seq_lens": batch.seq_lens,
-        "seq_lens_cpu": batch.seq_lens,
-        "req_pool_indices": batch.req_pool_indices,
-        "positions": batch.positions,
-        "out_cache_loc": batch.out_cache_loc,
-    }
-    return FB(**{**fields, **kw})
-
-
-def _forward(batch: Batch, *, fb: FB | None = None, **layer_kw: Any) -> torch.Tensor:
-    backend = _backend(batch)
-    q = batch.q.reshape(batch.q.shape[0], -1)
-    out = backend.forward_extend(q, batch.k, batch.v, _layer(batch, **layer_kw), fb or _fb(batch))
-    return out.view_as(batch.q)
-
-
-def _reference(batch: Batch) -> torch.Tensor:
-    return extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *batch.args())
 
 
 @pytest.fixture
@@ -132,10 +41,10 @@ def test_every_extend_equals_sglang_on_ordinary_batches(hooks: None, seed: int):
     batch = random_batch(
         seed, n_requests=4, heads=[(6, 2), (4, 4)][seed % 2], kinds=("cold", "exact")
     )
-    shipped = _forward(batch)  # hooks installed, every_extend off: sglang's own path
+    shipped = forward(batch)  # hooks installed, every_extend off: sglang's own path
     attention.set_query_only_every_extend(True)
-    torch.testing.assert_close(_forward(batch), shipped, atol=ATOL, rtol=0)
-    torch.testing.assert_close(shipped, _reference(batch), atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward(batch), shipped, atol=ATOL, rtol=0)
+    torch.testing.assert_close(shipped, reference(batch), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -143,8 +52,8 @@ def test_every_extend_equals_sglang_on_ordinary_batches(hooks: None, seed: int):
 def test_sparse_batches_equal_the_reference(hooks: None, seed: int, every_extend: bool):
     attention.set_query_only_every_extend(every_extend)
     batch = random_batch(seed, n_requests=5, heads=[(6, 2), (4, 4), (8, 1), (6, 3)][seed])
-    assert attention.is_sparse_batch(_fb(batch))
-    torch.testing.assert_close(_forward(batch), _reference(batch), atol=ATOL, rtol=0)
+    assert attention.is_sparse_batch(forward_batch(batch))
+    torch.testing.assert_close(forward(batch), reference(batch), atol=ATOL, rtol=0)
 
 
 def test_ordinary_batches_keep_sglangs_path_unless_every_extend(
@@ -159,10 +68,10 @@ def test_ordinary_batches_keep_sglangs_path_unless_every_extend(
 
     monkeypatch.setattr(attention, "extend_attention_query_only", spy)
     ordinary = random_batch(1, kinds=("cold", "exact"))
-    _forward(ordinary)
+    forward(ordinary)
     assert calls == []
     attention.set_query_only_every_extend(True)
-    _forward(ordinary)
+    forward(ordinary)
     assert calls == [1]
 
 
@@ -172,20 +81,20 @@ def test_unprovable_layers_keep_sglangs_path_or_refuse(hooks: None):
     sparse = random_batch(2)
     # Sliding window: sglang's path for an ordinary batch (its own window mask), refused if sparse.
     attention.remove_attention_hooks()
-    shipped = _forward(ordinary, sliding_window_size=5)
+    shipped = forward(ordinary, sliding_window_size=5)
     attention.install_attention_hooks(triton=False)
     attention.set_query_only_every_extend(True)
-    torch.testing.assert_close(_forward(ordinary, sliding_window_size=5), shipped, atol=0, rtol=0)
+    torch.testing.assert_close(forward(ordinary, sliding_window_size=5), shipped, atol=0, rtol=0)
     with pytest.raises(attention.SparseExtendUnsupported):
-        _forward(sparse, sliding_window_size=5)
+        forward(sparse, sliding_window_size=5)
     with pytest.raises(attention.SparseExtendUnsupported):
-        _forward(sparse, attn_type=AttentionType.ENCODER_ONLY)
+        forward(sparse, attn_type=AttentionType.ENCODER_ONLY)
     with pytest.raises(attention.SparseExtendUnsupported):
-        _forward(sparse, fb=_fb(sparse, positions=None))
+        forward(sparse, fb=forward_batch(sparse, positions=None))
     # An ordinary batch needs no positions: its queries sit at [m, n) as in sglang.
     torch.testing.assert_close(
-        _forward(ordinary, fb=_fb(ordinary, positions=None)),
-        _reference(ordinary),
+        forward(ordinary, fb=forward_batch(ordinary, positions=None)),
+        reference(ordinary),
         atol=ATOL,
         rtol=0,
     )

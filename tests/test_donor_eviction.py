@@ -1,6 +1,6 @@
 """Donors are forgotten when SGLang evicts their KV, at the eviction
 (patches/sglang/donor_heads.py), not at the next lookup that finds them gone. Real sglang 0.5.23
-cache classes on CPU (tests/sglang_harness.py) with semblend patched; a pool small enough that
+cache classes on CPU (tests/harness) with semblend patched; a pool small enough that
 every new document evicts older ones.
 """
 
@@ -10,20 +10,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sglang_harness import (
+
+from semblend_sglang.config import Config
+from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
+from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
+from tests.harness import (
     HarnessConfig,
     SglangCacheHarness,
     chain_hashes,
     check_invariants,
     namespace_seed,
 )
-from test_sglang_harness import instructions, model_config, passages
-
-from semblend_sglang.config import Config
-from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
-from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
-
-__all__ = ["instructions", "model_config", "passages"]  # fixtures used below
 
 CONFIG = Config(min_prompt_tokens=64, min_reuse_tokens=32, min_reuse_ratio=0.2)
 

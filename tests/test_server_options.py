@@ -1,6 +1,6 @@
 """Server options semantic reuse does not support: named at scheduler start-up, and the runtime
 then stays out of every request. Checked with sglang's real ``ServerArgs`` and ``ModelConfig``
-and, at cache level, the real cache classes (tests/sglang_harness.py); the real server is in
+and, at cache level, the real cache classes (tests/harness); the real server is in
 tests/test_e2e_server_options.py."""
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_harness import HarnessConfig, SglangCacheHarness, check_invariants
-from test_sglang_harness import instructions, model_config, passages
 
 from semblend_sglang.config import Config
 from semblend_sglang.patches.sglang import load_plugin, patch_radix_cache, unpatch_radix_cache
 from semblend_sglang.patches.sglang.server_options import unsupported_options
-
-__all__ = ["instructions", "model_config", "passages"]  # re-exported fixtures
+from tests.harness import HarnessConfig, SglangCacheHarness, check_invariants
 
 
 def _server_args(model_dir: Path, **options: Any) -> Any:

@@ -19,10 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_sglang_harness import instructions, model_config, passages
-
-__all__ = ["instructions", "model_config", "passages"]  # fixtures used below
-
 WORKER = Path(__file__).resolve().parent / "tp_rank_worker.py"
 SCENARIOS = ["healthy", "kernel_oom", "lookup_error", "rope_unreadable"]
 
@@ -102,5 +98,5 @@ def test_ranks_agree_on_reuse_when_one_rank_fails(
         assert a["declined"].get("rank_disagreement") == 1, (name, a)
     assert rank1["kernel_oom"]["errors"] == {"load": 1}
     assert rank1["kernel_oom"]["outcomes"]["cold_fallback"] == 1
-    assert rank1["lookup_error"]["outcomes"]["cold_fallback"] == 1
+    assert rank1["lookup_error"]["outcomes"]["cold_fallback"] == 2  # donor and target lookups
     assert rank1["rope_unreadable"]["declined"].get("unsupported_cache") == 1

@@ -1,5 +1,5 @@
 """One tensor-parallel rank for tests/test_tp_agreement.py: a real process in a real two-rank gloo
-group, running the sglang 0.5.23 cache harness (tests/sglang_harness.py) with semblend patched,
+group, running the sglang 0.5.23 cache harness (tests/harness) with semblend patched,
 the harness cache's attention group set to the gloo world as SGLang's ``CacheInitParams`` sets it
 on a TP server. Not a test module.
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.harness
 
 
 def _kernel_out_of_memory(_adapter: Any, monkeypatch: Any) -> None:
@@ -56,10 +56,10 @@ def run_scenario(
 ) -> dict[str, Any]:
     """Run the donor, then the target, on this rank; return what the test compares."""
     import pytest
-    from sglang_harness import HarnessConfig, SglangCacheHarness, check_invariants
 
     from semblend_sglang.config import Config
     from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
+    from tests.harness import HarnessConfig, SglangCacheHarness, check_invariants
 
     config = Config(min_prompt_tokens=64, min_reuse_tokens=32, min_reuse_ratio=0.2)
     unpatch_radix_cache()

@@ -4,7 +4,8 @@ nothing. Skipped unless the installed sglang is a legacy version (`make test-leg
 from __future__ import annotations
 
 import pytest
-from legacy_support import legacy_skip_reason
+
+from tests.harness.versions import legacy_skip_reason
 
 _SKIP = legacy_skip_reason()
 if _SKIP is not None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from legacy_support import legacy_port, legacy_skip_reason
+
+from tests.harness.versions import legacy_port, legacy_skip_reason
 
 _SKIP = legacy_skip_reason()
 if _SKIP is not None:

