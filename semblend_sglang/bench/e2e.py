@@ -37,15 +37,14 @@ from typing import Any
 
 import click
 
+from .client import Answer, ServerClient
 from .metrics import (
     greedy_agreement,
-    input_logprobs_from_meta,
     miss_overhead,
     percentile,
     ppl_ratio,
     rouge_l,
 )
-from .ttft import semblend_snapshot
 from .workloads import BUILTIN_WORKLOADS, BenchRequest, RequestGroup, Workload
 
 SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
@@ -75,94 +74,6 @@ GREEDY_TOKENS = 32
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 SCHEMA_VERSION = 2
-
-
-# --------------------------------------------------------------------------- client
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One streamed greedy ``/generate`` answer."""
-
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_ids: tuple[int, ...]
-    text: str
-
-
-class ServerClient:
-    """HTTP client of one SGLang server: streamed generation, logprobs, cache flush, counters."""
-
-    def __init__(self, url: str, timeout: float = 900.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> Answer:
-        """Greedy streamed generation; TTFT is until the first chunk carrying a token."""
-        import httpx
-
-        payload = {
-            "input_ids": list(input_ids),
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-            "stream": True,
-            "return_logprob": True,
-        }
-        ttft: float | None = None
-        meta: dict[str, Any] = {}
-        text = ""
-        start = time.perf_counter()
-        with httpx.stream("POST", self.url + "/generate", json=payload, timeout=self.timeout) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                body = line[len("data:") :].strip()
-                if body == "[DONE]":
-                    break
-                chunk = json.loads(body)
-                meta = chunk.get("meta_info", meta)
-                text = chunk.get("text", text)
-                if ttft is None and int(meta.get("completion_tokens", 0)) >= 1:
-                    ttft = time.perf_counter() - start
-        if ttft is None:
-            raise RuntimeError(f"no token streamed back from {self.url}/generate")
-        ids = tuple(int(entry[1]) for entry in meta.get("output_token_logprobs") or [])
-        return Answer(
-            ttft_s=ttft,
-            prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
-            cached_tokens=int(meta.get("cached_tokens", 0)),
-            output_ids=ids,
-            text=text,
-        )
-
-    def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:
-        """Logprobs of ``reference`` teacher-forced after ``prompt`` (input logprobs)."""
-        from ..server import http_json
-
-        payload = {
-            "input_ids": list(prompt) + list(reference),
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": len(prompt) - 1,
-        }
-        answer = http_json(self.url + "/generate", payload, timeout=self.timeout)
-        return input_logprobs_from_meta(answer["meta_info"], len(reference), reference)
-
-    def flush(self) -> None:
-        """Empty the server's radix cache (retried while requests are still running)."""
-        import httpx
-
-        for _ in range(50):
-            resp = httpx.post(self.url + "/flush_cache", timeout=60.0)
-            if resp.status_code == 200:
-                return
-            time.sleep(0.2)
-        resp.raise_for_status()
-
-    def snapshot(self) -> dict[str, Any] | None:
-        """semblend's summed counters, or None when the server has no semblend route."""
-        return semblend_snapshot(self.url)
 
 
 # --------------------------------------------------------------------------- records

@@ -32,6 +32,8 @@ from typing import Any
 import click
 import numpy as np
 
+from .client import NoTokenStreamed, health_generate, stream_generate, try_flush
+
 LOAD_SYSTEMS = ("vanilla", "exact_spans")
 MIXES = ("miss", "mixed")
 MIXED_WORKLOADS = ("cross_instruction", "template", "rag", "rag_corpus", "multi_turn")
@@ -78,45 +80,31 @@ class PassResult:
 
 
 def _one_request(url: str, item: Scheduled, result: PassResult, lock: threading.Lock) -> None:
-    import httpx
-
-    payload = {
-        "input_ids": list(item.prompt_ids),
-        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0},
-        "stream": True,
-    }
-    start = time.perf_counter()
-    ttft: float | None = None
-    completion = 0
+    """Send one scheduled request and count its outcome in ``result`` (under ``lock``)."""
     try:
-        with httpx.stream("POST", url + "/generate", json=payload, timeout=600.0) as resp:
-            resp.raise_for_status()
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                body = line[len("data:") :].strip()
-                if body == "[DONE]":
-                    break
-                meta = json.loads(body).get("meta_info", {})
-                completion = int(meta.get("completion_tokens", completion))
-                if ttft is None and completion >= 1:
-                    ttft = time.perf_counter() - start
-                    if item.drop:
-                        break  # closing the stream makes SGLang abort the request
+        got = stream_generate(
+            url, item.prompt_ids, MAX_NEW_TOKENS, stop_after_first_token=item.drop
+        )
+    except NoTokenStreamed:
         with lock:
             if item.drop:
                 result.aborted += 1
-            elif ttft is None:
+            else:
                 result.errors += 1
                 result.error_samples.append("no token streamed")
-            else:
-                result.ttft_ms.append(ttft * 1e3)
-                result.tokens += len(item.prompt_ids) + completion
+        return
     except Exception as exc:  # counted: the target is zero
         with lock:
             result.errors += 1
             if len(result.error_samples) < 5:
                 result.error_samples.append(f"{type(exc).__name__}: {exc}")
+        return
+    with lock:
+        if item.drop:  # the client closed the stream at the first token: SGLang aborts it
+            result.aborted += 1
+        else:
+            result.ttft_ms.append(got.ttft_s * 1e3)
+            result.tokens += len(item.prompt_ids) + got.completion_tokens
 
 
 def _flush_when_idle(url: str, stop: threading.Event, result: PassResult) -> None:
@@ -126,7 +114,7 @@ def _flush_when_idle(url: str, stop: threading.Event, result: PassResult) -> Non
 
     while not stop.is_set():
         try:
-            if httpx.post(url + "/flush_cache", timeout=60.0).status_code == 200:
+            if try_flush(url):
                 result.flushes += 1
                 return
         except httpx.HTTPError:
@@ -172,7 +160,7 @@ def _flush_when_drained(url: str, seconds: float = 30.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if httpx.post(url + "/flush_cache", timeout=60.0).status_code == 200:
+            if try_flush(url):
                 return True
         except httpx.HTTPError:
             pass
@@ -196,13 +184,8 @@ def rss_mib(pid: int) -> float:
 
 def healthy_after_idle(url: str, idle_s: float) -> bool:
     """Wait ``idle_s`` (SGLang checks its pools and tree when idle), then one forward."""
-    import httpx
-
     time.sleep(idle_s)
-    try:
-        return httpx.get(url + "/health_generate", timeout=120.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return health_generate(url)
 
 
 def build_mixes(
