@@ -1,4 +1,4 @@
-"""``bench dispatch``: replay 10,000+ requests through data-parallel dispatch logic alone.
+"""Bench job ``dispatch``: replay 10,000+ requests through data-parallel dispatch logic alone.
 
 No engine runs. Each request is made of content units (a document, RAG passages, a template, a
 conversation's turns) whose tokens are drawn from a seeded generator, so donors share exact token

@@ -1,4 +1,4 @@
-"""Benchmark ``provider``: lookup latency and index memory of the SemanticProvider.
+"""Bench job ``provider``: lookup latency and index memory of the SemanticProvider.
 
 Donors are 4,096-token windows of the 49 real essays (SmolLM2 tokenizer), each behind one of a few
 instruction-like prefixes, at many offsets; the engine is emulated by a token source that rebuilds
