@@ -33,6 +33,7 @@ from typing import Any
 
 import click
 
+from .builtin_workloads import BUILTIN_WORKLOADS
 from .client import Answer, ServerClient
 from .metrics import (
     greedy_agreement,
@@ -43,7 +44,7 @@ from .metrics import (
 )
 from .report import environment as report_environment
 from .report import write_json
-from .workloads import BUILTIN_WORKLOADS, BenchRequest, RequestGroup, Workload
+from .workloads import BenchRequest, RequestGroup, Workload
 
 SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
 SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH)
@@ -644,8 +645,8 @@ def command(
 
     from ..data import essay_texts
     from ..model_prep import prepare_model
+    from .builtin_workloads import build_workload
     from .workload_file import WorkloadFileError, load_workload_file
-    from .workloads import build_workload
 
     started = time.monotonic()
     if systems is None:

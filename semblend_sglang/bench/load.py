@@ -194,7 +194,7 @@ def build_mixes(
 ) -> dict[str, list[tuple[int, ...]]]:
     """Prompts of each mix: ``miss`` (control probes only) and ``mixed`` (the workloads' groups in
     order, a miss after every group), each cut to ``requests``."""
-    from .workloads import build_workload
+    from .builtin_workloads import build_workload
 
     per = max(1, requests // (len(MIXED_WORKLOADS) + 1) + 1)
     misses = [

@@ -29,8 +29,8 @@ the greedy answer.
 Workloads: ``dropped_header`` is built for vLLM's boundary rule (docs/vllm.md): the donor is
 ``system + header + document``, the probe ``system + document``, the system prompt and header
 block-aligned, so the probe's aligned span starts right at vLLM's computed-token boundary. The
-built-in workloads (:mod:`.workloads`) are run as they are; on vLLM most of their spans start off
-the boundary and are declined (``not_at_boundary``), which the output shows.
+built-in workloads (:mod:`.builtin_workloads`) are run as they are; on vLLM most of their spans
+start off the boundary and are declined (``not_at_boundary``), which the output shows.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def command(
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from semblend_sglang.bench.workloads import build_workload
+    from semblend_sglang.bench.builtin_workloads import build_workload
     from semblend_sglang.data import essay_texts
     from semblend_sglang.model_prep import prepare_model
 
