@@ -269,7 +269,7 @@ def command(
 
     from ..data import essay_texts
     from ..model_prep import prepare_model
-    from .e2e import _start_servers
+    from .systems import start_servers
 
     chosen = [m.strip() for m in mixes.split(",") if m.strip()]
     if [m for m in chosen if m not in MIXES]:
@@ -280,7 +280,7 @@ def command(
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = ["--max-total-tokens", str(max_total_tokens)]
     started = time.monotonic()
-    servers = _start_servers(LOAD_SYSTEMS, model, flags, out_dir)
+    servers = start_servers(LOAD_SYSTEMS, model, flags, out_dir)
     report: dict[str, Any] = {
         "options": {
             "clients": clients,
