@@ -57,7 +57,7 @@ def test_hook_time_delta_between_snapshots() -> None:
 
 def test_control_rows_report_the_miss_overhead_in_the_scheduler() -> None:
     def control(system: str, kind: str, ttft: float, **kw: object) -> ProbeRecord:
-        rec = _rec(system, kind, ttft, [1, 2], **kw)
+        rec = _rec(system, kind, ttft, [1, 2], donors=0, **kw)
         rec.workload = "control"
         return rec
 
@@ -97,7 +97,9 @@ def test_semblend_env_option_is_validated() -> None:
             parse_semblend_env([bad])
 
 
-def _rec(system: str, kind: str, ttft: float, ids: list[int], **kw: object) -> ProbeRecord:
+def _rec(
+    system: str, kind: str, ttft: float, ids: list[int], donors: int = 1, **kw: object
+) -> ProbeRecord:
     return ProbeRecord(
         "cross_instruction",
         512,
@@ -110,6 +112,7 @@ def _rec(system: str, kind: str, ttft: float, ids: list[int], **kw: object) -> P
         0,
         output_ids=ids,
         text=" ".join(map(str, ids)),
+        donors=donors,
         **kw,
     )  # type: ignore[arg-type]
 

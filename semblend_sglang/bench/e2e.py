@@ -42,7 +42,9 @@ from .workloads import Workload
 
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
+``--workload`` file gives one row per probe label."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -212,7 +214,7 @@ def command(
     finally:
         for server in servers.values():
             server.stop()
-    rows = summarize(runner.records)
+    rows = summarize(runner.records, by_label=workload_file is not None)
     click.echo(console_table(rows))
     json_path = json_path or out_dir / "e2e.json"
     plot_path = plot_path or out_dir / "e2e.png"
@@ -224,6 +226,7 @@ def command(
             "lengths": length_list,
             "groups": n_groups,
             "workloads": sorted({w.name for w in workloads}),
+            "workload_file": None if workload_file is None else str(workload_file),
             "systems": chosen,
             "seed": seed,
             "greedy_tokens": GREEDY_TOKENS,

@@ -28,7 +28,9 @@ GREEDY_TOKENS = 32
 
 @dataclass
 class ProbeRecord:
-    """Everything measured for one probe of one group on one system."""
+    """Everything measured for one probe of one group on one system, with what the summary
+    groups it by: the probe's ``label`` (from the workload; a workload file's rows break down by
+    it) and ``donors``, the donors of its group (0: a control probe, a miss by design)."""
 
     workload: str
     context_tokens: int
@@ -46,6 +48,8 @@ class ProbeRecord:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
+    label: str = ""
+    donors: int = field(kw_only=True)
 
 
 def hook_ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
@@ -113,6 +117,8 @@ class Runner:
     ) -> ProbeRecord:
         rec = ProbeRecord(
             workload=workload.name,
+            label=group.probes[i].label,
+            donors=len(group.donors),
             context_tokens=workload.context_tokens,
             group_id=group.group_id,
             probe=i,

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .e2e_summary import row_name
 from .systems import SGLANG_DISPATCH
 
 PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
@@ -68,57 +69,65 @@ def write_json(path: str | Path, data: Any) -> Path:
     return path
 
 
-def _fmt(value: Any, spec: str = ".0f") -> str:
-    """``value`` formatted with ``spec`` when a float, ``-`` when None, else ``str``."""
+TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
+    ("cold", 7, "cold_ms_p50", ".0f", 1),
+    ("prefix", 7, "prefix_ms_p50", ".0f", 1),
+    ("exact", 7, "exact_same_length_ms_p50", ".0f", 1),
+    ("spans", 7, "exact_spans_ms_p50", ".0f", 1),
+    ("subst", 7, "substitute_ms_p50", ".0f", 1),
+    ("sp/ex", 6, "exact_spans_over_exact", ".2f", 1),
+    ("hit%", 5, "exact_spans_hit_rate", ".0f", 100),
+    ("reuse%", 6, "exact_spans_reused_fraction", ".0f", 100),
+    ("ppl", 6, "exact_spans_ppl_ratio", ".3f", 1),
+    ("agree", 6, "exact_spans_greedy_agreement", ".2f", 1),
+    ("rougeL", 6, "exact_spans_rouge_l", ".2f", 1),
+    ("ex agree", 8, "exact_greedy_agreement", ".2f", 1),
+    ("sub hit%", 8, "substitute_hit_rate", ".0f", 100),
+    ("sub agree", 9, "substitute_greedy_agreement", ".2f", 1),
+    ("miss ovh", 8, "exact_spans_miss_overhead", "+.1f", 100),
+    ("hook ovh", 8, "exact_spans_miss_overhead_in_scheduler", ".3f", 100),
+    ("sgl-dp", 7, f"{SGLANG_DISPATCH}_ms_p50", ".0f", 1),
+    ("sgl-dp hit%", 11, f"{SGLANG_DISPATCH}_hit_rate", ".0f", 100),
+)
+"""Console table columns after the row name and context length: (header, width, summary key,
+format, scale: 100 shows a fraction as a percentage)."""
+
+TABLE_LEGEND = (
+    "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
+    "length exact_spans reused; sp/ex: spans/exact; hit%, reuse%: server-confirmed "
+    "(exact_spans); ppl: PPL ratio vs cold; agree: first-32-token greedy agreement; "
+    "ex agree: the same for the exact hit (noise floor); miss ovh:"
+    " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
+    " during a control probe, % of vanilla cold TTFT; sgl-dp, sgl-dp hit%: TTFT and"
+    f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch)."
+)
+
+
+def _cell(value: Any, spec: str, scale: int) -> str:
+    """``value`` (times ``scale``) formatted with ``spec`` when a float, ``-`` when None, else
+    ``str``."""
     if value is None:
         return "-"
+    if scale != 1:
+        value = scale * value
     if isinstance(value, float):
         return format(value, spec)
     return str(value)
 
 
 def console_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table, one
-    line per row, then a legend."""
-    head = (
-        f"{'workload':18s} {'ctx':>5s} {'cold':>7s} {'prefix':>7s} {'exact':>7s} {'spans':>7s}"
-        f" {'subst':>7s} {'sp/ex':>6s} {'hit%':>5s} {'reuse%':>6s} {'ppl':>6s} {'agree':>6s}"
-        f" {'rougeL':>6s} {'ex agree':>8s} {'sub hit%':>8s} {'sub agree':>9s} {'miss ovh':>8s}"
-        f" {'hook ovh':>8s} {'sgl-dp':>7s} {'sgl-dp hit%':>11s}"
+    """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
+    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
+    :data:`TABLE_LEGEND`."""
+    width = max([18, *(len(row_name(r)) for r in rows)])
+    head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
+        f" {title:>{w}s}" for title, w, *_ in TABLE_COLUMNS
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        hit = r.get("exact_spans_hit_rate")
-        reuse = r.get("exact_spans_reused_fraction")
-        sub_hit = r.get("substitute_hit_rate")
-        miss = r.get("exact_spans_miss_overhead")
-        hook = r.get("exact_spans_miss_overhead_in_scheduler")
-        dp_hit = r.get(f"{SGLANG_DISPATCH}_hit_rate")
-        lines.append(
-            f"{r['workload']:18s} {r['context_tokens']:5d} {_fmt(r.get('cold_ms_p50')):>7s}"
-            f" {_fmt(r.get('prefix_ms_p50')):>7s} {_fmt(r.get('exact_same_length_ms_p50')):>7s}"
-            f" {_fmt(r.get('exact_spans_ms_p50')):>7s} {_fmt(r.get('substitute_ms_p50')):>7s}"
-            f" {_fmt(r.get('exact_spans_over_exact'), '.2f'):>6s}"
-            f" {_fmt(None if hit is None else 100 * hit):>5s}"
-            f" {_fmt(None if reuse is None else 100 * reuse):>6s}"
-            f" {_fmt(r.get('exact_spans_ppl_ratio'), '.3f'):>6s}"
-            f" {_fmt(r.get('exact_spans_greedy_agreement'), '.2f'):>6s}"
-            f" {_fmt(r.get('exact_spans_rouge_l'), '.2f'):>6s}"
-            f" {_fmt(r.get('exact_greedy_agreement'), '.2f'):>8s}"
-            f" {_fmt(None if sub_hit is None else 100 * sub_hit):>8s}"
-            f" {_fmt(r.get('substitute_greedy_agreement'), '.2f'):>9s}"
-            f" {_fmt(None if miss is None else 100 * miss, '+.1f'):>8s}"
-            f" {_fmt(None if hook is None else 100 * hook, '.3f'):>8s}"
-            f" {_fmt(r.get(f'{SGLANG_DISPATCH}_ms_p50')):>7s}"
-            f" {_fmt(None if dp_hit is None else 100 * dp_hit):>11s}"
+        cells = "".join(
+            f" {_cell(r.get(key), spec, scale):>{w}s}" for _, w, key, spec, scale in TABLE_COLUMNS
         )
-    lines.append(
-        "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
-        "length exact_spans reused; sp/ex: spans/exact; hit%, reuse%: server-confirmed "
-        "(exact_spans); ppl: PPL ratio vs cold; agree: first-32-token greedy agreement; "
-        "ex agree: the same for the exact hit (noise floor); miss ovh:"
-        " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
-        " during a control probe, % of vanilla cold TTFT; sgl-dp, sgl-dp hit%: TTFT and"
-        f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch)."
-    )
+        lines.append(f"{row_name(r):{width}s} {r['context_tokens']:5d}{cells}")
+    lines.append(TABLE_LEGEND)
     return "\n".join(lines)

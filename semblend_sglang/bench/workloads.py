@@ -23,7 +23,8 @@ class BenchRequest:
     ``prompt_ids``: the prompt as token ids (non-empty), sent as ``input_ids``.
     ``role``: ``"donor"`` (sent first, registers KV others may reuse) or ``"probe"`` (measured).
     ``reference_ids``: a real continuation to teacher-force for the PPL ratio (may be empty).
-    ``label``: a human-readable description, no meaning to the runner.
+    ``label``: a human-readable description; the e2e report of a workload file has one row per
+    probe label (built-in workloads describe each request with it and are not broken down).
     """
 
     prompt_ids: tuple[int, ...]
