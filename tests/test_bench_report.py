@@ -2,15 +2,18 @@
 runner, summary, console table, JSON, plot) against two small real HTTP servers that answer like
 a vanilla and a semblend SGLang server (tests/sglang_like_server.py). The file mixes RAG,
 template, unrelated-donor and control requests; the table, the JSON summary and the plot break
-down by their ``label``."""
+down by their ``label``. The plot's choice (grouped bars for one context length, a panel per row
+for several) and its no-hit marks are checked on the drawn figure's artists."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pytest
 from click.testing import CliRunner
 from sglang_like_server import ServerState, serve
@@ -18,6 +21,15 @@ from sglang_like_server import ServerState, serve
 from semblend_sglang.bench.e2e import SCHEMA_VERSION, command
 from semblend_sglang.bench.e2e_runner import ProbeRecord
 from semblend_sglang.bench.e2e_summary import row_name, summarize
+from semblend_sglang.bench.plot import (
+    NO_HIT,
+    NO_HIT_HEIGHT,
+    bar_x,
+    figure,
+    quality_bars,
+    ttft_bars,
+    ttft_lines,
+)
 
 LABELS = ("rag", "template", "control", "unrelated")
 """The file's labels in order of first appearance (its groups interleave them)."""
@@ -138,3 +150,93 @@ def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Pa
     assert [line.split()[0] for line in table] == names
     control = table[LABELS.index("control")].split()
     assert control[8] == "0"  # hit%: no hit on the control row
+
+
+def _bars(ax: Any) -> list[Any]:
+    """The regular bars of ``ax`` (not the no-hit stubs), as patches."""
+    return [p for p in ax.patches if p.get_gid() != NO_HIT]
+
+
+def test_one_context_length_plots_grouped_bars_per_label(
+    run: tuple[str, dict[str, Any], Path],
+) -> None:
+    _, report, _ = run
+    rows = report["summary"]
+    chart = ttft_bars(rows)
+    assert chart.categories == tuple(f"mixed:{label}" for label in LABELS)
+    assert chart.series == (
+        "cold (vanilla)",
+        "vanilla, donor cached",
+        "exact hit, same length",
+        "semblend exact_spans",
+    )
+    fig = figure(rows)
+    ttft_ax, _ = fig.axes
+    assert not ttft_ax.lines  # bars, not a line through one point per system
+    assert [t.get_text() for t in ttft_ax.get_xticklabels()] == list(chart.categories)
+    assert [t.get_text() for t in ttft_ax.get_legend().get_texts()] == list(chart.series)
+    drawn = {(round(p.get_x() + p.get_width() / 2, 6), p.get_height()) for p in _bars(ttft_ax)}
+    expected = {
+        (round(bar_x(chart, s, c), 6), v)
+        for s, values in enumerate(chart.values)
+        for c, v in enumerate(values)
+        if v is not None
+    }
+    assert drawn == expected
+    control = chart.categories.index("mixed:control")
+    assert chart.values[chart.series.index("vanilla, donor cached")][control] is None  # no donor
+    plt.close(fig)
+
+
+def test_quality_marks_cells_with_no_hit_instead_of_drawing_them(
+    run: tuple[str, dict[str, Any], Path],
+) -> None:
+    _, report, _ = run
+    rows = report["summary"]
+    chart = quality_bars(rows)
+    assert chart.categories == ("mixed:rag", "mixed:template", "mixed:unrelated")  # no control
+    assert chart.series == ("exact_spans: greedy agreement", "exact_spans: ROUGE-L")
+    unrelated = chart.categories.index("mixed:unrelated")
+    assert chart.no_hit == {(0, unrelated), (1, unrelated)}
+    assert all(values[unrelated] is None for values in chart.values)
+    by = {r["label"]: r for r in rows}
+    assert by["unrelated"]["exact_spans_greedy_agreement"] == 1.0  # what was drawn before
+    fig = figure(rows)
+    quality_ax = fig.axes[1]
+    stubs = [p for p in quality_ax.patches if p.get_gid() == NO_HIT]
+    marks = [t for t in quality_ax.texts if t.get_text() == NO_HIT]
+    where = sorted(round(bar_x(chart, s, c), 6) for s, c in chart.no_hit)
+    assert sorted(round(p.get_x() + p.get_width() / 2, 6) for p in stubs) == where
+    assert sorted(round(t.get_position()[0], 6) for t in marks) == where
+    assert all(p.get_height() == NO_HIT_HEIGHT and not p.get_fill() for p in stubs)
+    bar_centres = {round(p.get_x() + p.get_width() / 2, 6) for p in _bars(quality_ax)}
+    assert not bar_centres & set(where)  # no quality bar drawn for a no-hit cell
+    assert len(_bars(quality_ax)) == 4  # rag and template, two series each
+    plt.close(fig)
+
+
+def test_several_context_lengths_plot_one_panel_per_row_name(
+    run: tuple[str, dict[str, Any], Path],
+) -> None:
+    _, report, _ = run
+    records = [ProbeRecord(**r) for r in report["records"]]
+    ctx = records[0].context_tokens
+    longer = [replace(r, context_tokens=2 * ctx, ttft_s=2 * r.ttft_s) for r in records]
+    rows = summarize(records + longer, by_label=True)
+    lines = ttft_lines(rows)
+    assert list(lines) == [f"mixed:{label}" for label in LABELS]
+    assert all(xs == [ctx, 2 * ctx] for panel in lines.values() for _, xs, _ in panel)
+    fig = figure(rows)
+    *panels, quality_ax, legend_ax = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == len(LABELS)
+    for ax, (name, panel) in zip(panels, lines.items(), strict=True):
+        assert ax.get_title().endswith(name)
+        assert [list(line.get_xdata()) for line in ax.lines] == [xs for _, xs, _ in panel]
+        assert [line.get_label() for line in ax.lines] == [label for label, _, _ in panel]
+    colors = {line.get_label(): line.get_color() for ax in panels for line in ax.lines}
+    assert len(set(colors.values())) == len(colors)  # one color per series in every panel
+    assert quality_ax.get_title().startswith("Quality")
+    legend = [t.get_text() for t in legend_ax.get_legend().get_texts()]
+    assert set(legend) == set(colors)
+    assert quality_bars(rows).no_hit == {(0, 2), (1, 2)}  # unrelated: no hit at either length
+    plt.close(fig)
