@@ -53,14 +53,17 @@ class _LazyJobs(click.Group):
     with a job name go to the main job (``bench --quick`` is ``bench e2e --quick``)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Put the main job's name in front of arguments that do not start with a job name."""
         if args and args[0] not in JOBS and args[0] not in ("-h", "--help"):
             args = [DEFAULT_JOB, *args]
         return super().parse_args(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        """The job names, in :data:`JOBS` order."""
         return list(JOBS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The job's click command, importing its module now; None for an unknown name."""
         if cmd_name not in JOBS:
             return None
         module = importlib.import_module(JOBS[cmd_name][0])
@@ -68,6 +71,7 @@ class _LazyJobs(click.Group):
         return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """``--help``'s job list from :data:`JOBS`, without importing any job."""
         with formatter.section("Jobs"):
             formatter.write_dl([(name, help_) for name, (_, help_) in JOBS.items()])
 

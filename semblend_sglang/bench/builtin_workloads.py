@@ -139,6 +139,7 @@ class _Slice:
 
     @property
     def where(self) -> str:
+        """``essay N [start:end]``, for request labels."""
         return f"essay {self.essay} [{self.start}:{self.start + len(self.ids)}]"
 
 
