@@ -201,6 +201,8 @@ def test_quality_marks_cells_with_no_hit_instead_of_drawing_them(
     assert all(values[unrelated] is None for values in chart.values)
     by = {r["label"]: r for r in rows}
     assert by["unrelated"]["exact_spans_greedy_agreement"] == 1.0  # what was drawn before
+    assert by["unrelated"]["exact_spans_greedy_agreement_hits"] is None  # no hit to judge
+    assert by["rag"]["exact_spans_rouge_l_hits"] == by["rag"]["exact_spans_rouge_l"]  # all hits
     fig = figure(rows)
     quality_ax = fig.axes[1]
     stubs = [p for p in quality_ax.patches if p.get_gid() == NO_HIT]

@@ -57,6 +57,10 @@ def _ttft_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
     return out
 
 
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _system_columns(
     system: str,
     probes: Sequence[ProbeRecord],
@@ -71,19 +75,23 @@ def _system_columns(
     out[f"{system}_reused_fraction"] = sum(r.reused_tokens or 0 for r in probes) / max(
         1, sum(r.prompt_tokens for r in probes)
     )
-    ratios, agreements, rouges = [], [], []
+    ratios: list[float] = []
+    agreements: list[tuple[bool, float]] = []
+    rouges: list[tuple[bool, float]] = []
     for r in probes:
         cold = cold_of.get((r.group_id, r.probe))
         if cold is None:
             continue
         if r.reference_logprobs and cold.reference_logprobs:
             ratios.append(ppl_ratio(r.reference_logprobs, cold.reference_logprobs))
-        agreements.append(greedy_agreement(r.output_ids, cold.output_ids, GREEDY_TOKENS))
-        rouges.append(rouge_l(r.text, cold.text))
+        hit = r.outcome == "materialized"
+        agreements.append((hit, greedy_agreement(r.output_ids, cold.output_ids, GREEDY_TOKENS)))
+        rouges.append((hit, rouge_l(r.text, cold.text)))
     out[f"{system}_ppl_ratio"] = percentile(ratios, 50) if ratios else None
     out[f"{system}_ppl_ratio_max"] = max(ratios) if ratios else None
-    out[f"{system}_greedy_agreement"] = sum(agreements) / len(agreements) if agreements else None
-    out[f"{system}_rouge_l"] = sum(rouges) / len(rouges) if rouges else None
+    for name, values in (("greedy_agreement", agreements), ("rouge_l", rouges)):
+        out[f"{system}_{name}"] = _mean([v for _, v in values])
+        out[f"{system}_{name}_hits"] = _mean([v for hit, v in values if hit])
     if control:
         cold_ttfts = [1000 * r.ttft_s for r in mine if r.system == "vanilla" and r.kind == "cold"]
         if cold_ttfts:
@@ -105,9 +113,11 @@ def summarize(records: Sequence[ProbeRecord], by_label: bool = False) -> list[di
     ``by_label``), ``context_tokens`` and ``control``; TTFT p50/p90 and counts per
     :data:`TTFT_KINDS`; per semblend system that ran: ``_hit_rate``, ``_reused_fraction``,
     ``_ppl_ratio`` (median; ``_max``), ``_greedy_agreement``, ``_rouge_l`` against the vanilla
-    cold run of the same probe, and on control rows ``_miss_overhead``, ``_miss_hook_ms`` and
-    ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact hit's own agreement,
-    the noise floor) and ``exact_spans_over_exact``. A missing value is None."""
+    cold run of the same probe (and ``_greedy_agreement_hits``, ``_rouge_l_hits``: over the
+    probes the server materialized only), and on control rows ``_miss_overhead``,
+    ``_miss_hook_ms`` and ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact
+    hit's own agreement, the noise floor) and ``exact_spans_over_exact``. A missing value is
+    None."""
     rows: list[dict[str, Any]] = []
     for workload, label, ctx in _row_keys(records, by_label):
         mine = [

@@ -6,10 +6,11 @@ row_name`). With one context length the TTFT panel draws grouped bars: one group
 per system and kind (:data:`TTFT_SERIES`). With several lengths it draws one small panel per row,
 TTFT against context length, one line per system and kind; nothing is averaged over rows.
 
-The quality panel draws grouped bars per row (:data:`QUALITY_SERIES`; rows with donors only,
-values averaged over context lengths where the system had hits). A cell whose system ran but had
-no server-confirmed hit is marked "no hit" (a short hatched stub) instead of drawing its quality:
-without reuse the answer is the cold run's own and would read as a perfect 1.0.
+The quality panel draws grouped bars per row (:data:`QUALITY_SERIES`: quality of the probes
+that had a hit; rows with donors only, averaged over context lengths where the system had
+hits). A cell whose system ran but had no server-confirmed hit is marked "no hit" (a short
+hatched stub) instead of drawing its quality: without reuse the answer is the cold run's own and
+would read as a perfect 1.0.
 
 :func:`ttft_bars`, :func:`ttft_lines` and :func:`quality_bars` compute what is drawn;
 :func:`figure` draws it; :func:`plot` writes the PNG.
@@ -40,11 +41,12 @@ TTFT_SERIES: tuple[tuple[str, str], ...] = (
 )
 """(summary key, legend) of the TTFT series, drawn when a row has a value."""
 QUALITY_SERIES: tuple[tuple[str, str, str], ...] = (
-    ("exact_spans", "greedy_agreement", "exact_spans: greedy agreement"),
-    ("exact_spans", "rouge_l", "exact_spans: ROUGE-L"),
-    ("substitute", "greedy_agreement", "substitute: greedy agreement"),
+    ("exact_spans", "greedy_agreement_hits", "exact_spans: greedy agreement"),
+    ("exact_spans", "rouge_l_hits", "exact_spans: ROUGE-L"),
+    ("substitute", "greedy_agreement_hits", "substitute: greedy agreement"),
 )
-"""(system, metric, legend) of the quality series, drawn when the system ran."""
+"""(system, summary metric, legend) of the quality series, drawn when the system ran: quality
+over the probes with a server-confirmed hit (a miss would count the cold run's own answer)."""
 NO_HIT = "no hit"
 NO_HIT_HEIGHT = 0.06
 """Height of the hatched stub that marks a no-hit cell (quality is in [0, 1])."""
