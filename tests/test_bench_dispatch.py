@@ -1,5 +1,6 @@
-"""``bench dispatch`` (semblend_sglang/bench/dispatch.py): the simulation runs, is deterministic
-in its hit rates, and donor-aware dispatch keeps hits that load-only dispatch loses."""
+"""``bench dispatch`` (semblend_sglang/bench/dispatch_simulation.py): the simulation runs, is
+deterministic in its hit rates, and donor-aware dispatch keeps hits that load-only dispatch
+loses."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from semblend_sglang.bench.dispatch import build_workload, command, run
+from semblend_sglang.bench.dispatch_simulation import build_workload, command, run
 
 
 def test_workload_is_deterministic_and_shares_content_within_groups() -> None:

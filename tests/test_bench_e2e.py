@@ -10,20 +10,22 @@ from pathlib import Path
 import click
 import pytest
 
-from semblend_sglang.bench.e2e import (
+from semblend_sglang.bench.e2e import SCHEMA_VERSION
+from semblend_sglang.bench.e2e_runner import (
+    ProbeRecord,
+    hook_ms_delta,
+    outcome_delta,
+    requests_per_group,
+)
+from semblend_sglang.bench.e2e_summary import summarize
+from semblend_sglang.bench.report import console_table
+from semblend_sglang.bench.systems import (
     DEFAULT_SYSTEMS,
-    SCHEMA_VERSION,
     SERVER_ENV,
     SGLANG_DISPATCH,
     SYSTEMS,
-    ProbeRecord,
-    _hook_ms_delta,
-    _outcome_delta,
-    _parse_urls,
-    console_table,
     parse_semblend_env,
-    requests_per_group,
-    summarize,
+    parse_urls,
 )
 from semblend_sglang.bench.workloads import BenchRequest, RequestGroup
 from semblend_sglang.config import Config
@@ -37,25 +39,25 @@ def test_outcome_delta_names_the_one_outcome_a_request_added() -> None:
         "reused_tokens": 400,
     }
     hit = dict(before, outcomes={"materialized": 2, "declined": 2}, reused_tokens=900)
-    assert _outcome_delta(before, hit) == ("materialized", 500)
+    assert outcome_delta(before, hit) == ("materialized", 500)
     miss = dict(
         before,
         outcomes={"materialized": 1, "declined": 3},
         declined={"no_donor": 2, "reuse_too_small": 1},
     )
-    assert _outcome_delta(before, miss) == ("declined:reuse_too_small", 0)
-    assert _outcome_delta(before, before) == ("none", 0)
-    assert _outcome_delta(None, hit) == ("unknown", 0)
+    assert outcome_delta(before, miss) == ("declined:reuse_too_small", 0)
+    assert outcome_delta(before, before) == ("none", 0)
+    assert outcome_delta(None, hit) == ("unknown", 0)
 
 
 def test_hook_time_delta_between_snapshots() -> None:
-    assert _hook_ms_delta({"hook_seconds": 0.5}, {"hook_seconds": 0.5015}) == pytest.approx(1.5)
-    assert _hook_ms_delta(None, {"hook_seconds": 1.0}) is None
+    assert hook_ms_delta({"hook_seconds": 0.5}, {"hook_seconds": 0.5015}) == pytest.approx(1.5)
+    assert hook_ms_delta(None, {"hook_seconds": 1.0}) is None
 
 
 def test_control_rows_report_the_miss_overhead_in_the_scheduler() -> None:
     def control(system: str, kind: str, ttft: float, **kw: object) -> ProbeRecord:
-        rec = _rec(system, kind, ttft, [1, 2], **kw)
+        rec = _rec(system, kind, ttft, [1, 2], donors=0, **kw)
         rec.workload = "control"
         return rec
 
@@ -71,13 +73,13 @@ def test_control_rows_report_the_miss_overhead_in_the_scheduler() -> None:
 
 
 def test_url_option_is_validated() -> None:
-    assert _parse_urls(["vanilla=http://h:1", "exact_spans=http://h:2"]) == {
+    assert parse_urls(["vanilla=http://h:1", "exact_spans=http://h:2"]) == {
         "vanilla": "http://h:1",
         "exact_spans": "http://h:2",
     }
     for bad in ("http://h:1", "semantic=http://h:1", "vanilla=h:1"):
         with pytest.raises(click.BadParameter):
-            _parse_urls([bad])
+            parse_urls([bad])
 
 
 def test_semblend_env_option_is_validated() -> None:
@@ -95,7 +97,9 @@ def test_semblend_env_option_is_validated() -> None:
             parse_semblend_env([bad])
 
 
-def _rec(system: str, kind: str, ttft: float, ids: list[int], **kw: object) -> ProbeRecord:
+def _rec(
+    system: str, kind: str, ttft: float, ids: list[int], donors: int = 1, **kw: object
+) -> ProbeRecord:
     return ProbeRecord(
         "cross_instruction",
         512,
@@ -108,6 +112,7 @@ def _rec(system: str, kind: str, ttft: float, ids: list[int], **kw: object) -> P
         0,
         output_ids=ids,
         text=" ".join(map(str, ids)),
+        donors=donors,
         **kw,
     )  # type: ignore[arg-type]
 
@@ -174,7 +179,7 @@ def test_the_sglang_dispatch_system_is_exact_spans_without_donor_aware_dispatch(
         "exact_spans"
     ]
     assert SGLANG_DISPATCH in SYSTEMS and SGLANG_DISPATCH not in DEFAULT_SYSTEMS  # --systems only
-    assert _parse_urls([f"{SGLANG_DISPATCH}=http://h:3"]) == {SGLANG_DISPATCH: "http://h:3"}
+    assert parse_urls([f"{SGLANG_DISPATCH}=http://h:3"]) == {SGLANG_DISPATCH: "http://h:3"}
     group = RequestGroup(
         "g0", (BenchRequest((1, 2), "donor"), BenchRequest((1, 3), "probe")), shared_spans=()
     )

@@ -12,21 +12,19 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.bench import workloads as wl
+from semblend_sglang.bench import builtin_workloads as wl
+from semblend_sglang.bench.builtin_workloads import (
+    BUILTIN_WORKLOADS,
+    LENGTH_TOLERANCE,
+    REFERENCE_TOKENS,
+    build_workload,
+)
 from semblend_sglang.bench.workload_file import (
     WorkloadFileError,
     load_workload_file,
     write_workload_file,
 )
-from semblend_sglang.bench.workloads import (
-    BUILTIN_WORKLOADS,
-    LENGTH_TOLERANCE,
-    REFERENCE_TOKENS,
-    BenchRequest,
-    RequestGroup,
-    Workload,
-    build_workload,
-)
+from semblend_sglang.bench.workloads import BenchRequest, RequestGroup, Workload
 
 LENGTHS = (512, 1024, 2048)
 GROUPS = 3

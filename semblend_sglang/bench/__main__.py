@@ -2,7 +2,9 @@
 
 With no JOB the main job (``e2e``) runs with its defaults; options without a job name are the
 main job's (``python -m semblend_sglang.bench --quick``). Each job lives in its own module as a
-click command named ``command`` and is imported only when chosen.
+click command named ``command`` and is imported only when chosen. Jobs keep their command names;
+modules are named for what they measure (``provider``: ``lookup_latency``, ``kernels``:
+``kernel_bandwidth``, ``dispatch``: ``dispatch_simulation``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ JOBS: dict[str, tuple[str, str]] = {
         "Every workload vs vanilla SGLang and semblend: TTFT, hits, quality (main job).",
     ),
     "ttft": ("semblend_sglang.bench.ttft", "TTFT of cold vs exact-repeat prompts on the server."),
-    "provider": ("semblend_sglang.bench.provider", "Donor lookup latency and index memory."),
+    "provider": ("semblend_sglang.bench.lookup_latency", "Donor lookup latency and index memory."),
     "adversarial": (
         "semblend_sglang.bench.adversarial",
         "Donor lookups on adversarial token streams against the lookup budget.",
@@ -26,13 +28,16 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.load",
         "Concurrent clients vs vanilla and semblend: throughput, TTFT p50/p99, errors, memory.",
     ),
-    "kernels": ("semblend_sglang.bench.kernels", "transfer_kv bandwidth against a plain copy."),
+    "kernels": (
+        "semblend_sglang.bench.kernel_bandwidth",
+        "transfer_kv bandwidth against a plain copy.",
+    ),
     "semantic": (
         "semblend_sglang.bench.semantic",
         "Semantic-hit TTFT vs cold and vs an exact hit of the same length; miss overhead.",
     ),
     "dispatch": (
-        "semblend_sglang.bench.dispatch",
+        "semblend_sglang.bench.dispatch_simulation",
         "Data-parallel dispatch simulated: hit rate, load imbalance, cost (no engine).",
     ),
     "vllm": (
@@ -48,14 +53,17 @@ class _LazyJobs(click.Group):
     with a job name go to the main job (``bench --quick`` is ``bench e2e --quick``)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Put the main job's name in front of arguments that do not start with a job name."""
         if args and args[0] not in JOBS and args[0] not in ("-h", "--help"):
             args = [DEFAULT_JOB, *args]
         return super().parse_args(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        """The job names, in :data:`JOBS` order."""
         return list(JOBS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The job's click command, importing its module now; None for an unknown name."""
         if cmd_name not in JOBS:
             return None
         module = importlib.import_module(JOBS[cmd_name][0])
@@ -63,6 +71,7 @@ class _LazyJobs(click.Group):
         return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """``--help``'s job list from :data:`JOBS`, without importing any job."""
         with formatter.section("Jobs"):
             formatter.write_dl([(name, help_) for name, (_, help_) in JOBS.items()])
 

@@ -11,17 +11,18 @@ counted in work units, not measured, so a p99 above the budget means the per-ste
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
 
 from semblend_sglang.lookup_budget import LookupBudget
+
+from .metrics import percentile
+from .report import write_json
 
 LONG = 100_000
 
@@ -92,15 +93,14 @@ def run_stream(stream: Stream, repeats: int, budget_ms: float) -> dict[str, Any]
         times.append((time.perf_counter() - started) * 1e3)
         key = decision.kind if decision.kind != "decline" else f"decline:{decision.reason}"
         decisions[key] = decisions.get(key, 0) + 1
-    arr = np.array(times)
     return {
         "stream": stream.name,
         "query_tokens": int(stream.query.size),
         "donors": len(stream.donors),
         "budget_ms": budget_ms,
         "budget_units": LookupBudget(budget_ms).total,
-        "lookup_ms_p50": float(np.percentile(arr, 50)),
-        "lookup_ms_p99": float(np.percentile(arr, 99)),
+        "lookup_ms_p50": percentile(times, 50),
+        "lookup_ms_p99": percentile(times, 99),
         "decisions": decisions,
     }
 
@@ -119,4 +119,4 @@ def command(repeats: int, budget_ms: float, json_path: str | None) -> None:
             f"{r['lookup_ms_p50']:8.2f} {r['lookup_ms_p99']:8.2f}  {r['decisions']}"
         )
     if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2))
+        write_json(json_path, results)

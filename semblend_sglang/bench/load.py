@@ -19,7 +19,7 @@ JSON: per mix and system, ``throughput_rps``, ``tokens_per_s`` (prompt + output)
 
 from __future__ import annotations
 
-import json
+import math
 import random
 import threading
 import time
@@ -30,7 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import numpy as np
+
+from .client import NoTokenStreamed, health_generate, stream_generate, try_flush
+from .metrics import percentile
+from .report import write_json
 
 LOAD_SYSTEMS = ("vanilla", "exact_spans")
 MIXES = ("miss", "mixed")
@@ -78,45 +81,31 @@ class PassResult:
 
 
 def _one_request(url: str, item: Scheduled, result: PassResult, lock: threading.Lock) -> None:
-    import httpx
-
-    payload = {
-        "input_ids": list(item.prompt_ids),
-        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0},
-        "stream": True,
-    }
-    start = time.perf_counter()
-    ttft: float | None = None
-    completion = 0
+    """Send one scheduled request and count its outcome in ``result`` (under ``lock``)."""
     try:
-        with httpx.stream("POST", url + "/generate", json=payload, timeout=600.0) as resp:
-            resp.raise_for_status()
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                body = line[len("data:") :].strip()
-                if body == "[DONE]":
-                    break
-                meta = json.loads(body).get("meta_info", {})
-                completion = int(meta.get("completion_tokens", completion))
-                if ttft is None and completion >= 1:
-                    ttft = time.perf_counter() - start
-                    if item.drop:
-                        break  # closing the stream makes SGLang abort the request
+        got = stream_generate(
+            url, item.prompt_ids, MAX_NEW_TOKENS, stop_after_first_token=item.drop
+        )
+    except NoTokenStreamed:
         with lock:
             if item.drop:
                 result.aborted += 1
-            elif ttft is None:
+            else:
                 result.errors += 1
                 result.error_samples.append("no token streamed")
-            else:
-                result.ttft_ms.append(ttft * 1e3)
-                result.tokens += len(item.prompt_ids) + completion
+        return
     except Exception as exc:  # counted: the target is zero
         with lock:
             result.errors += 1
             if len(result.error_samples) < 5:
                 result.error_samples.append(f"{type(exc).__name__}: {exc}")
+        return
+    with lock:
+        if item.drop:  # the client closed the stream at the first token: SGLang aborts it
+            result.aborted += 1
+        else:
+            result.ttft_ms.append(got.ttft_s * 1e3)
+            result.tokens += len(item.prompt_ids) + got.completion_tokens
 
 
 def _flush_when_idle(url: str, stop: threading.Event, result: PassResult) -> None:
@@ -126,7 +115,7 @@ def _flush_when_idle(url: str, stop: threading.Event, result: PassResult) -> Non
 
     while not stop.is_set():
         try:
-            if httpx.post(url + "/flush_cache", timeout=60.0).status_code == 200:
+            if try_flush(url):
                 result.flushes += 1
                 return
         except httpx.HTTPError:
@@ -172,7 +161,7 @@ def _flush_when_drained(url: str, seconds: float = 30.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if httpx.post(url + "/flush_cache", timeout=60.0).status_code == 200:
+            if try_flush(url):
                 return True
         except httpx.HTTPError:
             pass
@@ -196,13 +185,8 @@ def rss_mib(pid: int) -> float:
 
 def healthy_after_idle(url: str, idle_s: float) -> bool:
     """Wait ``idle_s`` (SGLang checks its pools and tree when idle), then one forward."""
-    import httpx
-
     time.sleep(idle_s)
-    try:
-        return httpx.get(url + "/health_generate", timeout=120.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return health_generate(url)
 
 
 def build_mixes(
@@ -210,7 +194,7 @@ def build_mixes(
 ) -> dict[str, list[tuple[int, ...]]]:
     """Prompts of each mix: ``miss`` (control probes only) and ``mixed`` (the workloads' groups in
     order, a miss after every group), each cut to ``requests``."""
-    from .workloads import build_workload
+    from .builtin_workloads import build_workload
 
     per = max(1, requests // (len(MIXED_WORKLOADS) + 1) + 1)
     misses = [
@@ -233,14 +217,13 @@ def build_mixes(
 
 def summarize(result: PassResult) -> dict[str, Any]:
     """The JSON fields of one pass."""
-    ttft = np.array(result.ttft_ms) if result.ttft_ms else np.array([np.nan])
     done = len(result.ttft_ms)
     return {
         "completed": done,
         "throughput_rps": done / result.seconds if result.seconds else 0.0,
         "tokens_per_s": result.tokens / result.seconds if result.seconds else 0.0,
-        "ttft_ms_p50": float(np.percentile(ttft, 50)),
-        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "ttft_ms_p50": percentile(result.ttft_ms, 50) if done else math.nan,
+        "ttft_ms_p99": percentile(result.ttft_ms, 99) if done else math.nan,
         "errors": result.errors,
         "aborted": result.aborted,
         "flushes": result.flushes,
@@ -286,7 +269,7 @@ def command(
 
     from ..data import essay_texts
     from ..model_prep import prepare_model
-    from .e2e import _start_servers
+    from .systems import start_servers
 
     chosen = [m.strip() for m in mixes.split(",") if m.strip()]
     if [m for m in chosen if m not in MIXES]:
@@ -297,7 +280,7 @@ def command(
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = ["--max-total-tokens", str(max_total_tokens)]
     started = time.monotonic()
-    servers = _start_servers(LOAD_SYSTEMS, model, flags, out_dir)
+    servers = start_servers(LOAD_SYSTEMS, model, flags, out_dir)
     report: dict[str, Any] = {
         "options": {
             "clients": clients,
@@ -336,6 +319,5 @@ def command(
         for server in servers.values():
             server.stop()
     report["wall_s"] = time.monotonic() - started
-    path = out_dir / "load.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = write_json(out_dir / "load.json", report)
     click.echo(f"wrote {path} ({report['wall_s']:.0f} s)")

@@ -33,10 +33,14 @@ from typing import Any
 
 import click
 
-from .ttft import flush_cache, semblend_snapshot, stream_generate, write_report
+from .client import flush_cache, semblend_snapshot, stream_generate
+from .metrics import percentile
+from .ttft import write_report
 
 INSTRUCTION_A = "Summarize the following essay in three sentences.\n\n"
 INSTRUCTION_B = "Read the essay below carefully and list the author's main arguments.\n\n"
+ANSWER_TOKENS = 2
+"""Tokens generated per request (TTFT needs one; two as the ``ttft`` job)."""
 
 
 @dataclass(frozen=True)
@@ -103,24 +107,24 @@ def run_sample(url: str, prompt: Prompt) -> SemanticSample:
     sequence is the same; a vanilla server reports no hook time and no semantic reuse)."""
     name, prompt_a, prompt_b, miss = prompt
     flush_cache(url)
-    cold_s, _ = stream_generate(url, prompt_a)
-    (semantic_s, meta), semantic_hook_ms, reused = _hook_ms(
-        url, lambda: stream_generate(url, prompt_b)
+    cold = stream_generate(url, prompt_a, ANSWER_TOKENS)
+    semantic, semantic_hook_ms, reused = _hook_ms(
+        url, lambda: stream_generate(url, prompt_b, ANSWER_TOKENS)
     )
-    semantic_cached = int(meta.get("cached_tokens", 0)) + reused
+    semantic_cached = int(semantic.meta.get("cached_tokens", 0)) + reused
     flush_cache(url)
-    stream_generate(url, prompt_b[: max(semantic_cached, 1)])
-    exact_s, meta_exact = stream_generate(url, prompt_b)
-    (miss_s, _), miss_hook_ms, _ = _hook_ms(url, lambda: stream_generate(url, miss))
+    stream_generate(url, prompt_b[: max(semantic_cached, 1)], ANSWER_TOKENS)
+    exact = stream_generate(url, prompt_b, ANSWER_TOKENS)
+    miss_run, miss_hook_ms, _ = _hook_ms(url, lambda: stream_generate(url, miss, ANSWER_TOKENS))
     return SemanticSample(
         essay=name,
         prompt_tokens=len(prompt_b),
-        cold_s=cold_s,
-        semantic_s=semantic_s,
+        cold_s=cold.ttft_s,
+        semantic_s=semantic.ttft_s,
         semantic_cached=semantic_cached,
-        exact_s=exact_s,
-        exact_cached=int(meta_exact.get("cached_tokens", 0)),
-        miss_s=miss_s,
+        exact_s=exact.ttft_s,
+        exact_cached=int(exact.meta.get("cached_tokens", 0)),
+        miss_s=miss_run.ttft_s,
         semantic_hook_ms=semantic_hook_ms,
         miss_hook_ms=miss_hook_ms,
     )
@@ -133,7 +137,7 @@ def run_interleaved(
     sequence on the vanilla server: slow drifts of the machine hit both alike."""
     urls = [semblend_url] + ([vanilla_url] if vanilla_url else [])
     for url in urls:
-        stream_generate(url, prompts[0][3])  # warm-up, not recorded
+        stream_generate(url, prompts[0][3], ANSWER_TOKENS)  # warm-up, not recorded
     semblend: list[SemanticSample] = []
     vanilla: list[SemanticSample] = []
     for i, prompt in enumerate(prompts):
@@ -156,7 +160,8 @@ def _start(semblend: bool) -> Any:
 
 
 def _p50(values: list[float]) -> float:
-    return statistics.median(values) * 1000
+    """p50 of ``values`` given in seconds, in milliseconds."""
+    return percentile(values, 50) * 1000
 
 
 @click.command("semantic")
@@ -200,8 +205,8 @@ def command(
         "exact_cached_tokens_mean": statistics.fmean(s.exact_cached for s in results),
         "miss_semblend_ms_p50": _p50([s.miss_s for s in results]),
         "miss_vanilla_ms_p50": _p50(vanilla_miss) if vanilla_miss else None,
-        "semantic_hook_ms_p50": statistics.median(s.semantic_hook_ms for s in results),
-        "miss_hook_ms_p50": statistics.median(s.miss_hook_ms for s in results),
+        "semantic_hook_ms_p50": percentile([s.semantic_hook_ms for s in results], 50),
+        "miss_hook_ms_p50": percentile([s.miss_hook_ms for s in results], 50),
     }
     summary["semantic_over_exact"] = (
         summary["semantic_ms_p50"] / summary["exact_same_length_ms_p50"]
@@ -214,8 +219,8 @@ def command(
             summary["miss_semblend_ms_p50"] / summary["miss_vanilla_ms_p50"] - 1
         )
         summary["miss_overhead_ab_paired"] = (
-            statistics.median(
-                s.miss_s / v.miss_s for s, v in zip(results, vanilla_results, strict=True)
+            percentile(
+                [s.miss_s / v.miss_s for s, v in zip(results, vanilla_results, strict=True)], 50
             )
             - 1
         )

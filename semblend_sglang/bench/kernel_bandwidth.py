@@ -13,19 +13,18 @@ median per variant is reported.
 
 from __future__ import annotations
 
-import json
-import platform
-import statistics
 import time
 from collections.abc import Callable
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import click
 import torch
 
 from semblend_sglang.kernels import RopeSpec, transfer_kv_sglang
+
+from .metrics import percentile
+from .report import cpu_model, write_json
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,21 +49,14 @@ def _time_interleaved(
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: percentile(t, 50) for name, t in times.items()}
 
 
 def _device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model and torch's thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({torch.get_num_threads()} torch threads)"
+    return f"{cpu_model()} ({torch.get_num_threads()} torch threads)"
 
 
 def run_one(
@@ -185,5 +177,5 @@ def command(
             )
         click.echo(line)
     if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(json_path, results)
         click.echo(f"wrote {json_path}")

@@ -1,4 +1,4 @@
-"""Benchmark ``provider``: lookup latency and index memory of the SemanticProvider.
+"""Bench job ``provider``: lookup latency and index memory of the SemanticProvider.
 
 Donors are 4,096-token windows of the 49 real essays (SmolLM2 tokenizer), each behind one of a few
 instruction-like prefixes, at many offsets; the engine is emulated by a token source that rebuilds
@@ -11,17 +11,17 @@ own accounting), and registration time.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import time
 import tracemalloc
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
+
+from .metrics import percentile
+from .report import cpu_model, write_json
 
 PROMPT_TOKENS = 4096
 DONOR_COUNTS = (1_000, 10_000, 100_000)
@@ -144,14 +144,13 @@ def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
     for _ in range(repeat_n):
         provider.lookup(namespace, query_tokens[0], 0, "warm-0")
     repeat_us = (time.perf_counter_ns() - t0) / 1e3 / repeat_n
-    arr = np.asarray(times_ms)
     stats = provider.index.stats()
     return {
         "donors": donors,
         "queries": queries,
-        "lookup_ms_p50": round(float(np.percentile(arr, 50)), 4),
-        "lookup_ms_p99": round(float(np.percentile(arr, 99)), 4),
-        "lookup_ms_max": round(float(arr.max()), 4),
+        "lookup_ms_p50": round(percentile(times_ms, 50), 4),
+        "lookup_ms_p99": round(percentile(times_ms, 99), 4),
+        "lookup_ms_max": round(max(times_ms), 4),
         "repeat_lookup_us": round(repeat_us, 3),
         "plans": plans,
         "mean_reused_tokens": round(reused / plans, 1) if plans else 0.0,
@@ -164,13 +163,8 @@ def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
 
 
 def _machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    """The CPU model and core count, e.g. ``"AMD EPYC 7B13 x2"``."""
+    return f"{cpu_model()} x{os.cpu_count()}"
 
 
 @click.command(name="provider")
@@ -225,5 +219,5 @@ def command(json_path: str | None, donor_counts: tuple[int, ...], queries: int) 
             "prompt_tokens": PROMPT_TOKENS,
             "results": {str(r["donors"]): r for r in rows},
         }
-        Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(json_path, payload)
         click.echo(f"wrote {json_path}")

@@ -1,4 +1,4 @@
-"""``bench dispatch``: replay 10,000+ requests through data-parallel dispatch logic alone.
+"""Bench job ``dispatch``: replay 10,000+ requests through data-parallel dispatch logic alone.
 
 No engine runs. Each request is made of content units (a document, RAG passages, a template, a
 conversation's turns) whose tokens are drawn from a seeded generator, so donors share exact token
@@ -56,15 +56,19 @@ class SimRequest:
     tenant: int
 
     def n_tokens(self) -> int:
+        """The prompt's length in tokens."""
         return sum(n for _, n in self.units)
 
 
 @dataclass
 class Workload:
+    """The simulated requests in arrival order and each content unit's token ids."""
+
     requests: list[SimRequest]
     tokens: dict[str, np.ndarray] = field(default_factory=dict)
 
     def token_ids(self, req: SimRequest) -> np.ndarray:
+        """The prompt of ``req``: its units' tokens concatenated."""
         return np.concatenate([self.tokens[u] for u, _ in req.units])
 
 
@@ -149,6 +153,9 @@ class RankCache:
 
 @dataclass
 class SimResult:
+    """What one dispatch method did at one rank count (hit rate, reused fraction, imbalance,
+    dispatch cost; hit rate per request kind)."""
+
     method: str
     ranks: int
     requests: int

@@ -1,0 +1,204 @@
+"""The bench's one HTTP client of an SGLang server: streamed greedy ``/generate`` (server-sent
+events), teacher-forced reference logprobs, ``/flush_cache``, ``/health_generate`` and
+semblend's ``GET /semblend/snapshot``. Every bench job that talks to a server uses it.
+
+Stream format (sglang 0.5.23, ``/generate`` with ``"stream": true``): lines ``data: {json}``, each
+object carrying the ``text`` and ``meta_info`` so far (cumulative), then ``data: [DONE]``; blank
+separator lines and any other line carry nothing. TTFT is the time from just before the request
+is sent to the first chunk whose ``meta_info.completion_tokens`` is at least 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .metrics import input_logprobs_from_meta
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class NoTokenStreamed(RuntimeError):
+    """The stream ended without a chunk carrying an output token."""
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a stream's ``data:`` lines, in order, up to ``data: [DONE]`` (nothing
+    after it is read); lines that do not start with ``data:`` are skipped. A ``data:`` line that
+    is not JSON raises ``json.JSONDecodeError``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        body = line[len("data:") :].strip()
+        if body == "[DONE]":
+            return
+        yield json.loads(body)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed ``/generate`` answer: TTFT (seconds), the last ``meta_info`` and ``text`` read
+    (the whole answer, or its first token's chunk when the stream was stopped there)."""
+
+    ttft_s: float
+    meta: dict[str, Any]
+    text: str
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens the server reported in the last chunk read."""
+        return int(self.meta.get("completion_tokens", 0))
+
+
+def stream_generate(
+    url: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    return_logprob: bool = False,
+    stop_after_first_token: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Streamed:
+    """Send one greedy streaming ``/generate`` of ``input_ids`` to the server at ``url`` and read
+    the stream (see the module doc). ``return_logprob``: ask for output token logprobs (their ids
+    are in ``meta["output_token_logprobs"]``). ``stop_after_first_token``: close the stream at
+    the first token (SGLang then aborts the request). Raises :class:`NoTokenStreamed` when no
+    chunk carried a token, ``httpx.HTTPStatusError`` on an error status."""
+    import httpx
+
+    payload: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "stream": True,
+    }
+    if return_logprob:
+        payload["return_logprob"] = True
+    ttft: float | None = None
+    meta: dict[str, Any] = {}
+    text = ""
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/generate", json=payload, timeout=timeout) as resp:
+        resp.raise_for_status()
+        for chunk in sse_events(resp.iter_lines()):
+            meta = chunk.get("meta_info", meta)
+            text = chunk.get("text", text)
+            if ttft is None and int(meta.get("completion_tokens", 0)) >= 1:
+                ttft = time.perf_counter() - start
+                if stop_after_first_token:
+                    break
+    if ttft is None:
+        raise NoTokenStreamed(f"no token streamed back from {url}/generate")
+    return Streamed(ttft_s=ttft, meta=meta, text=text)
+
+
+def reference_logprobs(
+    url: str,
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[float]:
+    """Natural-log probabilities of ``reference`` teacher-forced after ``prompt`` (SGLang's input
+    logprobs; format: :func:`.metrics.input_logprobs_from_meta`). ``prompt`` must not be empty."""
+    import httpx
+
+    payload = {
+        "input_ids": list(prompt) + list(reference),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 1,
+    }
+    resp = httpx.post(url + "/generate", json=payload, timeout=timeout)
+    resp.raise_for_status()
+    return input_logprobs_from_meta(resp.json()["meta_info"], len(reference), reference)
+
+
+def try_flush(url: str) -> bool:
+    """Ask once for ``/flush_cache``: True when SGLang emptied its radix cache, False when it
+    refused (it flushes only while no request runs). Transport errors raise ``httpx.HTTPError``."""
+    import httpx
+
+    return httpx.post(url + "/flush_cache", timeout=60.0).status_code == 200
+
+
+def flush_cache(url: str, attempts: int = 50, interval_s: float = 0.2) -> None:
+    """Empty the server's radix cache, asking up to ``attempts`` times ``interval_s`` apart while
+    requests still run; RuntimeError when it never did."""
+    for i in range(attempts):
+        if try_flush(url):
+            return
+        if i + 1 < attempts:
+            time.sleep(interval_s)
+    raise RuntimeError(f"{url}/flush_cache refused {attempts} times")
+
+
+def semblend_snapshot(url: str) -> dict[str, Any] | None:
+    """semblend's counters summed over the server's schedulers (``GET /semblend/snapshot``,
+    ``total``), or None when the server has no semblend route (a vanilla server)."""
+    import httpx
+
+    resp = httpx.get(url + "/semblend/snapshot", timeout=60.0)
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    total: dict[str, Any] = resp.json()["total"]
+    return total
+
+
+def health_generate(url: str, timeout: float = 120.0) -> bool:
+    """True when ``GET /health_generate`` (one real forward) answers 200; False on another status
+    or a transport error."""
+    import httpx
+
+    try:
+        return httpx.get(url + "/health_generate", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One streamed greedy ``/generate`` answer: TTFT, the server's prompt and cached-token
+    counts, the output token ids and text."""
+
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_ids: tuple[int, ...]
+    text: str
+
+
+class ServerClient:
+    """The functions of this module bound to one server ``url`` (trailing ``/`` dropped)."""
+
+    def __init__(self, url: str, timeout: float = 900.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> Answer:
+        """Greedy streamed generation with output ids (:func:`stream_generate`)."""
+        got = stream_generate(
+            self.url, input_ids, max_new_tokens, return_logprob=True, timeout=self.timeout
+        )
+        ids = tuple(int(entry[1]) for entry in got.meta.get("output_token_logprobs") or [])
+        return Answer(
+            ttft_s=got.ttft_s,
+            prompt_tokens=int(got.meta.get("prompt_tokens", len(input_ids))),
+            cached_tokens=int(got.meta.get("cached_tokens", 0)),
+            output_ids=ids,
+            text=got.text,
+        )
+
+    def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:
+        """:func:`reference_logprobs` on this server."""
+        return reference_logprobs(self.url, prompt, reference, self.timeout)
+
+    def flush(self) -> None:
+        """:func:`flush_cache` on this server."""
+        flush_cache(self.url)
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """:func:`semblend_snapshot` of this server."""
+        return semblend_snapshot(self.url)

@@ -1,0 +1,159 @@
+"""The e2e job's summary: probe records reduced to rows, one per workload and context length
+or, for a user's workload file (``by_label``), one per workload, probe ``label`` and context
+length. A row holds TTFT percentiles per system and kind, server-confirmed hits and reuse per
+semblend system, quality against the cold run of the same probe, and on control rows (no probe
+in the row has a donor) the miss overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .e2e_runner import GREEDY_TOKENS, ProbeRecord
+from .metrics import greedy_agreement, miss_overhead, percentile, ppl_ratio, rouge_l
+from .systems import SEMBLEND_SYSTEMS, SGLANG_DISPATCH
+
+TTFT_KINDS: tuple[tuple[str, str], ...] = (
+    ("vanilla", "cold"),
+    ("vanilla", "prefix"),
+    ("vanilla", "exact_same_length"),
+    ("exact_spans", "semantic"),
+    ("substitute", "semantic"),
+    (SGLANG_DISPATCH, "semantic"),
+)
+"""(system, kind) pairs with TTFT columns: ``{kind}_ms_*`` for vanilla, ``{system}_ms_*`` else."""
+
+_Key = tuple[str, str | None, int]
+
+
+def row_name(row: dict[str, Any]) -> str:
+    """How tables and plots name a row: ``workload``, or ``workload:label`` for a row of one
+    label (an empty label shows as ``(no label)``)."""
+    label = row.get("label")
+    if label is None:
+        return str(row["workload"])
+    return f"{row['workload']}:{label or '(no label)'}"
+
+
+def _row_keys(records: Sequence[ProbeRecord], by_label: bool) -> list[_Key]:
+    """(workload, label or None, context length) of every row: by context length, then
+    workload name, then a label's first appearance in ``records``."""
+    first_seen: dict[str, int] = {}
+    for r in records:
+        first_seen.setdefault(r.label, len(first_seen))
+    keys = {(r.workload, r.label if by_label else None, r.context_tokens) for r in records}
+    return sorted(keys, key=lambda k: (k[2], k[0], -1 if k[1] is None else first_seen[k[1]]))
+
+
+def _ttft_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system, kind in TTFT_KINDS:
+        ttfts = [1000 * r.ttft_s for r in mine if r.system == system and r.kind == kind]
+        name = kind if system == "vanilla" else system
+        out[f"{name}_ms_p50"] = percentile(ttfts, 50) if ttfts else None
+        out[f"{name}_ms_p90"] = percentile(ttfts, 90) if ttfts else None
+        out[f"{name}_n"] = len(ttfts)
+    return out
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _system_columns(
+    system: str,
+    probes: Sequence[ProbeRecord],
+    mine: Sequence[ProbeRecord],
+    cold_of: dict[tuple[str, int], ProbeRecord],
+    control: bool,
+) -> dict[str, Any]:
+    """Hits, reuse and quality of one semblend system's probes; miss overhead on control rows."""
+    out: dict[str, Any] = {}
+    hits = [r for r in probes if r.outcome == "materialized"]
+    out[f"{system}_hit_rate"] = len(hits) / len(probes)
+    out[f"{system}_reused_fraction"] = sum(r.reused_tokens or 0 for r in probes) / max(
+        1, sum(r.prompt_tokens for r in probes)
+    )
+    ratios: list[float] = []
+    agreements: list[tuple[bool, float]] = []
+    rouges: list[tuple[bool, float]] = []
+    for r in probes:
+        cold = cold_of.get((r.group_id, r.probe))
+        if cold is None:
+            continue
+        if r.reference_logprobs and cold.reference_logprobs:
+            ratios.append(ppl_ratio(r.reference_logprobs, cold.reference_logprobs))
+        hit = r.outcome == "materialized"
+        agreements.append((hit, greedy_agreement(r.output_ids, cold.output_ids, GREEDY_TOKENS)))
+        rouges.append((hit, rouge_l(r.text, cold.text)))
+    out[f"{system}_ppl_ratio"] = percentile(ratios, 50) if ratios else None
+    out[f"{system}_ppl_ratio_max"] = max(ratios) if ratios else None
+    for name, values in (("greedy_agreement", agreements), ("rouge_l", rouges)):
+        out[f"{system}_{name}"] = _mean([v for _, v in values])
+        out[f"{system}_{name}_hits"] = _mean([v for hit, v in values if hit])
+    if control:
+        cold_ttfts = [1000 * r.ttft_s for r in mine if r.system == "vanilla" and r.kind == "cold"]
+        if cold_ttfts:
+            out[f"{system}_miss_overhead"] = miss_overhead(
+                [1000 * r.ttft_s for r in probes], cold_ttfts
+            )
+        hook = [r.hook_ms for r in probes if r.hook_ms is not None]
+        if hook and cold_ttfts:
+            out[f"{system}_miss_hook_ms"] = percentile(hook, 50)
+            out[f"{system}_miss_overhead_in_scheduler"] = percentile(hook, 50) / percentile(
+                cold_ttfts, 50
+            )
+    return out
+
+
+def summarize(records: Sequence[ProbeRecord], by_label: bool = False) -> list[dict[str, Any]]:
+    """Rows of ``records`` (see the module doc), ordered by context length, workload, then
+    label in order of first appearance. Every row has ``workload``, ``label`` (None unless
+    ``by_label``), ``context_tokens`` and ``control``; TTFT p50/p90 and counts per
+    :data:`TTFT_KINDS`; per semblend system that ran: ``_hit_rate``, ``_reused_fraction``,
+    ``_ppl_ratio`` (median; ``_max``), ``_greedy_agreement``, ``_rouge_l`` against the vanilla
+    cold run of the same probe (and ``_greedy_agreement_hits``, ``_rouge_l_hits``: over the
+    probes the server materialized only), and on control rows ``_miss_overhead``,
+    ``_miss_hook_ms`` and ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact
+    hit's own agreement, the noise floor) and ``exact_spans_over_exact``. A missing value is
+    None."""
+    rows: list[dict[str, Any]] = []
+    for workload, label, ctx in _row_keys(records, by_label):
+        mine = [
+            r
+            for r in records
+            if r.workload == workload
+            and r.context_tokens == ctx
+            and (label is None or r.label == label)
+        ]
+        cold_of = {
+            (r.group_id, r.probe): r for r in mine if r.system == "vanilla" and r.kind == "cold"
+        }
+        control = all(r.donors == 0 for r in mine)
+        row: dict[str, Any] = {
+            "workload": workload,
+            "label": label,
+            "context_tokens": ctx,
+            "control": control,
+        }
+        row.update(_ttft_columns(mine))
+        for system in SEMBLEND_SYSTEMS:
+            probes = [r for r in mine if r.system == system and r.kind == "semantic"]
+            if probes:
+                row.update(_system_columns(system, probes, mine, cold_of, control))
+        exact_agree = [
+            greedy_agreement(r.output_ids, cold_of[(r.group_id, r.probe)].output_ids)
+            for r in mine
+            if r.system == "vanilla"
+            and r.kind == "exact_same_length"
+            and (r.group_id, r.probe) in cold_of
+        ]
+        # The noise floor: the same prompt, cached vs not, on the same server.
+        row["exact_greedy_agreement"] = sum(exact_agree) / len(exact_agree) if exact_agree else None
+        if row.get("exact_spans_ms_p50") and row.get("exact_same_length_ms_p50"):
+            row["exact_spans_over_exact"] = (
+                row["exact_spans_ms_p50"] / row["exact_same_length_ms_p50"]
+            )
+        rows.append(row)
+    return rows

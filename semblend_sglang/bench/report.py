@@ -1,0 +1,133 @@
+"""What the bench jobs report beside their measurements, and how: the machine and software
+(:func:`cpu_model`, :func:`environment`), JSON files (:func:`write_json`), and the e2e job's
+console table of its summary rows (:func:`console_table`). The e2e plot is :mod:`.plot`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .e2e_summary import row_name
+from .systems import SGLANG_DISPATCH
+
+PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
+"""Distributions whose versions :func:`environment` records."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else what
+    :mod:`platform` knows (processor, else machine type)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str | None]:
+    """Installed version of each distribution in ``names`` (None when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """The machine and software a measurement ran on, for a JSON report: UTC ``date``,
+    ``python``, ``platform``, ``cpu`` (:func:`cpu_model`), ``cpu_count``, ``versions``
+    (:data:`PACKAGES`), then ``extra`` (a job's model, flags, ...)."""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "versions": package_versions(),
+        **extra,
+    }
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON (one trailing newline) to ``path``, creating its folder;
+    returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
+    ("cold", 7, "cold_ms_p50", ".0f", 1),
+    ("prefix", 7, "prefix_ms_p50", ".0f", 1),
+    ("exact", 7, "exact_same_length_ms_p50", ".0f", 1),
+    ("spans", 7, "exact_spans_ms_p50", ".0f", 1),
+    ("subst", 7, "substitute_ms_p50", ".0f", 1),
+    ("sp/ex", 6, "exact_spans_over_exact", ".2f", 1),
+    ("hit%", 5, "exact_spans_hit_rate", ".0f", 100),
+    ("reuse%", 6, "exact_spans_reused_fraction", ".0f", 100),
+    ("ppl", 6, "exact_spans_ppl_ratio", ".3f", 1),
+    ("agree", 6, "exact_spans_greedy_agreement", ".2f", 1),
+    ("rougeL", 6, "exact_spans_rouge_l", ".2f", 1),
+    ("ex agree", 8, "exact_greedy_agreement", ".2f", 1),
+    ("sub hit%", 8, "substitute_hit_rate", ".0f", 100),
+    ("sub agree", 9, "substitute_greedy_agreement", ".2f", 1),
+    ("miss ovh", 8, "exact_spans_miss_overhead", "+.1f", 100),
+    ("hook ovh", 8, "exact_spans_miss_overhead_in_scheduler", ".3f", 100),
+    ("sgl-dp", 7, f"{SGLANG_DISPATCH}_ms_p50", ".0f", 1),
+    ("sgl-dp hit%", 11, f"{SGLANG_DISPATCH}_hit_rate", ".0f", 100),
+)
+"""Console table columns after the row name and context length: (header, width, summary key,
+format, scale: 100 shows a fraction as a percentage)."""
+
+TABLE_LEGEND = (
+    "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
+    "length exact_spans reused; sp/ex: spans/exact; hit%, reuse%: server-confirmed "
+    "(exact_spans); ppl: PPL ratio vs cold; agree: first-32-token greedy agreement; "
+    "ex agree: the same for the exact hit (noise floor); miss ovh:"
+    " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
+    " during a control probe, % of vanilla cold TTFT; sgl-dp, sgl-dp hit%: TTFT and"
+    f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch)."
+)
+
+
+def _cell(value: Any, spec: str, scale: int) -> str:
+    """``value`` (times ``scale``) formatted with ``spec`` when a float, ``-`` when None, else
+    ``str``."""
+    if value is None:
+        return "-"
+    if scale != 1:
+        value = scale * value
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def console_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
+    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
+    :data:`TABLE_LEGEND`."""
+    width = max([18, *(len(row_name(r)) for r in rows)])
+    head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
+        f" {title:>{w}s}" for title, w, *_ in TABLE_COLUMNS
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = "".join(
+            f" {_cell(r.get(key), spec, scale):>{w}s}" for _, w, key, spec, scale in TABLE_COLUMNS
+        )
+        lines.append(f"{row_name(r):{width}s} {r['context_tokens']:5d}{cells}")
+    lines.append(TABLE_LEGEND)
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""The systems the bench compares, the environment of each one's SGLang server, starting them,
+and the options that name them (``--systems``, ``--url``, ``--semblend-env``).
+
+Systems: ``vanilla`` (SEMBLEND_ENABLED=0), ``exact_spans`` and ``substitute`` (semblend in that
+mode) and, chosen with ``--systems`` only, ``exact_spans_sglang_dispatch``: exact_spans with
+donor-aware data-parallel dispatch off (SEMBLEND_DISPATCH_ENABLED=0), so that with
+``--server-arg=--dp-size --server-arg=N`` SGLang's own ``--load-balance-method`` places every
+request. Started servers with ``--dp-size N`` on CPU get ``SGLANG_CPU_OMP_THREADS_BIND`` (one
+core per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
+SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH)
+DEFAULT_SYSTEMS = ("vanilla", "exact_spans", "substitute")
+"""Without ``--systems``: SGLANG_DISPATCH differs from exact_spans only with ``--dp-size``."""
+SEMBLEND_SYSTEMS = ("exact_spans", "substitute", SGLANG_DISPATCH)
+QUICK_SYSTEMS = ("vanilla", "exact_spans")
+"""``--quick`` leaves out the opt-in, output-changing substitute mode (one server fewer)."""
+SERVER_ENV: dict[str, dict[str, str]] = {
+    "vanilla": {"SEMBLEND_ENABLED": "0"},
+    "exact_spans": {"SEMBLEND_ENABLED": "1", "SEMBLEND_MODE": "exact_spans"},
+    "substitute": {
+        "SEMBLEND_ENABLED": "1",
+        "SEMBLEND_MODE": "substitute",
+        "SEMBLEND_EXACT_MATERIALIZATION_ONLY": "0",
+    },
+    SGLANG_DISPATCH: {
+        "SEMBLEND_ENABLED": "1",
+        "SEMBLEND_MODE": "exact_spans",
+        "SEMBLEND_DISPATCH_ENABLED": "0",
+    },
+}
+"""Environment of each system's server (the rest of the SemBlend settings are defaults)."""
+SYSTEM_OWNED_ENV = ("SEMBLEND_ENABLED", "SEMBLEND_MODE", "SEMBLEND_DISCOVERY_ONLY")
+"""Variables each system sets itself (--semblend-env may not override them)."""
+
+
+def start_servers(
+    systems: Sequence[str],
+    model: str,
+    extra: Sequence[str],
+    logs: Path,
+    semblend_env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Start one SGLang server per system (start-ups overlap), each with ``extra`` flags, the
+    data-parallel CPU binding those flags need, ``semblend_env`` on semblend systems and the
+    system's own :data:`SERVER_ENV` last (it wins); wait until all are healthy. Returns system ->
+    ``SglangServer``; on any failure every started server is stopped and the error re-raised.
+    Logs go to ``logs/e2e-{system}-server.log``."""
+    from ..server import cpu_dp_environ, free_port, start_server
+
+    servers: dict[str, Any] = {}
+    try:
+        for system in systems:
+            env = cpu_dp_environ(extra)
+            if system in SEMBLEND_SYSTEMS:
+                env.update(semblend_env or {})
+            env.update(SERVER_ENV[system])
+            servers[system] = start_server(
+                model,
+                port=free_port(),
+                extra_args=list(extra),
+                env=env,
+                log_path=logs / f"e2e-{system}-server.log",
+            )
+        for server in servers.values():
+            server.wait_healthy(timeout=900)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
+def parse_systems(value: str) -> list[str]:
+    """``--systems``: comma-separated names of :data:`SYSTEMS`, in the order given;
+    ``click.BadParameter`` naming the unknown ones."""
+    chosen = [s.strip() for s in value.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in SYSTEMS]
+    if bad:
+        raise click.BadParameter(f"unknown system(s) {bad}", param_hint="'--systems'")
+    return chosen
+
+
+def parse_semblend_env(values: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs for the started semblend servers; each KEY must be a SemBlend setting
+    (config.FIELDS) other than those in SYSTEM_OWNED_ENV, each VALUE valid for it;
+    ``click.BadParameter`` otherwise."""
+    from ..config import FIELDS_BY_ENV, ConfigError, parse_value
+
+    out: dict[str, str] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        spec = FIELDS_BY_ENV.get(key)
+        if not sep or spec is None or key in SYSTEM_OWNED_ENV:
+            raise click.BadParameter(
+                f"{value!r}: expected KEY=VALUE with KEY a SEMBLEND_* setting other than "
+                f"{', '.join(SYSTEM_OWNED_ENV)}",
+                param_hint="'--semblend-env'",
+            )
+        try:
+            parse_value(spec, raw, key)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--semblend-env'") from None
+        out[key] = raw
+    return out
+
+
+def parse_urls(values: Sequence[str]) -> dict[str, str]:
+    """``--url SYSTEM=URL`` values as system -> URL; ``click.BadParameter`` when SYSTEM is not
+    one of :data:`SYSTEMS` or URL does not start with ``http``."""
+    out: dict[str, str] = {}
+    for value in values:
+        system, sep, url = value.partition("=")
+        if not sep or system not in SYSTEMS or not url.startswith("http"):
+            raise click.BadParameter(
+                f"{value!r}: expected SYSTEM=URL with SYSTEM one of {', '.join(SYSTEMS)}",
+                param_hint="'--url'",
+            )
+        out[system] = url
+    return out
