@@ -60,6 +60,24 @@ def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClien
     )
 
 
+def parse_lengths(text: str) -> list[int]:
+    """``--lengths``: comma-separated context lengths in tokens, each at least 64. Raises
+    :class:`click.BadParameter` naming the option for anything else."""
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            value = 0
+        if value < 64:
+            raise click.BadParameter(
+                f"{part.strip()!r} is not a context length (an integer >= 64)",
+                param_hint="'--lengths'",
+            )
+        out.append(value)
+    return out
+
+
 @click.command("e2e")
 @click.option(
     "--quick",
@@ -171,13 +189,15 @@ def command(
         )
     if url_map:
         chosen = [s for s in chosen if s in url_map]
+    length_list = (
+        parse_lengths(lengths) if lengths else list(QUICK_LENGTHS if quick else FULL_LENGTHS)
+    )
+    names = [n.strip() for n in workload_names.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BUILTIN_WORKLOADS]
+    if unknown and workload_file is None:
+        raise click.BadParameter(f"unknown workload(s) {unknown}", param_hint="'--workloads'")
     model = model_path or str(prepare_model())
     tokenizer = AutoTokenizer.from_pretrained(model)
-    length_list = (
-        [int(x) for x in lengths.split(",")]
-        if lengths
-        else list(QUICK_LENGTHS if quick else FULL_LENGTHS)
-    )
     n_groups = groups or (1 if quick else 2)
     workloads: list[Workload] = []
     if workload_file is not None:
@@ -186,10 +206,6 @@ def command(
         except WorkloadFileError as exc:
             raise click.ClickException(str(exc)) from exc
     else:
-        names = [n.strip() for n in workload_names.split(",") if n.strip()]
-        unknown = [n for n in names if n not in BUILTIN_WORKLOADS]
-        if unknown:
-            raise click.BadParameter(f"unknown workload(s) {unknown}", param_hint="'--workloads'")
         essays = essay_texts()
         for n in length_list:
             for name in names:
