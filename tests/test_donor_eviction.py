@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from semblend_sglang.config import Config
-from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
 from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
 from tests.harness import (
     HarnessConfig,
@@ -21,19 +20,14 @@ from tests.harness import (
     check_invariants,
     namespace_seed,
 )
+from tests.harness.reuse import installed
 
 CONFIG = Config(min_prompt_tokens=64, min_reuse_tokens=32, min_reuse_ratio=0.2)
 
 
 @pytest.fixture
 def adapter() -> Iterator[Any]:
-    unpatch_radix_cache()
-    installed = patch_radix_cache(CONFIG)
-    assert installed is not None
-    try:
-        yield installed
-    finally:
-        unpatch_radix_cache()
+    yield from installed(CONFIG)
 
 
 def _dead_donors(h: SglangCacheHarness, adapter: Any) -> list[Any]:
