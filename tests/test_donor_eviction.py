@@ -89,9 +89,9 @@ def test_every_donor_sharing_a_freed_head_is_reported_once() -> None:
 
     heads = DonorHeads(bound=10, is_donor=lambda _h: True)
     for handle, slot in (("a", 5), ("b", 5), ("c", 7)):
-        heads.watch(handle, slot, None)
+        heads.watch(handle, slot)
     heads.freed(torch.tensor([1, 5, 9]))
-    assert sorted(h for h, _ in heads.take_freed()) == ["a", "b"]
+    assert sorted(heads.take_freed()) == ["a", "b"]
     assert heads.take_freed() == []
     assert "c" in heads and "a" not in heads and len(heads) == 1
     heads.freed(torch.tensor([5]))  # no longer watched: nothing reported twice
@@ -103,7 +103,7 @@ def test_the_watch_never_outgrows_the_index() -> None:
 
     registered = {"x", "y"}
     heads = DonorHeads(bound=2, is_donor=lambda h: h in registered)
-    heads.watch("old", 1, None)  # dropped from the index later (its LRU bound)
-    heads.watch("x", 2, None)
-    heads.watch("y", 3, None)
+    heads.watch("old", 1)  # dropped from the index later (its LRU bound)
+    heads.watch("x", 2)
+    heads.watch("y", 3)
     assert "old" not in heads and len(heads) == 2

@@ -15,7 +15,6 @@ thread).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
 
 import torch
 
@@ -24,8 +23,8 @@ HEADS_ATTR = "_semblend_donor_heads"
 
 
 class DonorHeads:
-    """The head slot and namespace of each watched donor of one tree cache, and the donors whose
-    head slot was freed since :meth:`take_freed` last ran.
+    """The head slot of each watched donor of one tree cache, and the donors whose head slot was
+    freed since :meth:`take_freed` last ran.
 
     ``bound``: watched donors above which :meth:`watch` first forgets those ``is_donor`` says
     the index no longer holds (so that the map never outgrows the index)."""
@@ -33,10 +32,10 @@ class DonorHeads:
     def __init__(self, bound: int, is_donor: Callable[[Hashable], bool]) -> None:
         self._bound = max(1, int(bound))
         self._is_donor = is_donor
-        self._watched: dict[Hashable, tuple[int, Any]] = {}
+        self._watched: dict[Hashable, int] = {}
         self._by_slot: dict[int, set[Hashable]] = {}
         self._slots: torch.Tensor | None = None  # the watched slots, rebuilt when stale
-        self._freed: dict[Hashable, Any] = {}
+        self._freed: dict[Hashable, None] = {}  # insertion-ordered set
 
     def __len__(self) -> int:
         return len(self._watched)
@@ -44,28 +43,28 @@ class DonorHeads:
     def __contains__(self, handle: object) -> bool:
         return handle in self._watched
 
-    def watch(self, handle: Hashable, slot: int, namespace: Any) -> None:
+    def watch(self, handle: Hashable, slot: int) -> None:
         """Watch donor ``handle``, whose first prompt token's KV is at tree slot ``slot``."""
         self.unwatch(handle)
         if len(self._watched) >= self._bound:
             for gone in [h for h in self._watched if not self._is_donor(h)]:
                 self.unwatch(gone)
         slot = int(slot)
-        self._watched[handle] = (slot, namespace)
+        self._watched[handle] = slot
         self._by_slot.setdefault(slot, set()).add(handle)
         self._slots = None
 
     def unwatch(self, handle: Hashable) -> None:
         """Stop watching ``handle`` (forgotten, or no longer a donor); a no-op when unwatched."""
         self._freed.pop(handle, None)
-        entry = self._watched.pop(handle, None)
-        if entry is None:
+        slot = self._watched.pop(handle, None)
+        if slot is None:
             return
-        owners = self._by_slot.get(entry[0])
+        owners = self._by_slot.get(slot)
         if owners is not None:
             owners.discard(handle)
             if not owners:
-                del self._by_slot[entry[0]]
+                del self._by_slot[slot]
         self._slots = None
 
     def freed(self, slots: torch.Tensor) -> None:
@@ -79,15 +78,14 @@ class DonorHeads:
         hit = flat[torch.isin(flat, self._slots)]
         for slot in hit.tolist():
             for handle in list(self._by_slot.get(slot, ())):
-                namespace = self._watched[handle][1]
                 self.unwatch(handle)
-                self._freed[handle] = namespace
+                self._freed[handle] = None
         if hit.numel():
             self._slots = None
 
-    def take_freed(self) -> list[tuple[Hashable, Any]]:
-        """The donors (with namespaces) whose head slot was freed, once each."""
-        out = list(self._freed.items())
+    def take_freed(self) -> list[Hashable]:
+        """The donors whose head slot was freed, once each."""
+        out = list(self._freed)
         self._freed.clear()
         return out
 

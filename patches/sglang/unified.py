@@ -46,7 +46,7 @@ from .donor_heads import HEADS_ATTR, DonorHeads
 from .held_donors import HELD_ATTR, HeldDonorStore, PendingKeep, held_store, held_store_tokens
 from .hooked_adapter import HookedAdapter
 from .one_pass import DonorSlots
-from .request_info import eligible, namespace_for
+from .request_info import eligible
 from .runtime import RequestReuse
 from .scheduler_hooks import (
     wrap_add_request_to_queue,
@@ -386,7 +386,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
             setattr(cache, HEADS_ATTR, heads)
         if handle not in heads:
             slot = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][0]
-            heads.watch(handle, int(slot), namespace_for(req))
+            heads.watch(handle, int(slot))
 
     def _note_freed(self, cache: Any, device_frees: Any) -> None:
         """SGLang's tree freed ``device_frees`` (slots per component): note watched heads."""
@@ -409,7 +409,7 @@ class UnifiedRadixCacheAdapter(HookedAdapter):
         if getattr(cache, "cache_controller", None) is not None:
             return
         store: HeldDonorStore | None = getattr(cache, HELD_ATTR, None)
-        for handle, _namespace in freed:
+        for handle in freed:
             if self.runtime.is_donor(handle) and (store is None or handle not in store):
                 self._forget(cache, handle)
                 self.runtime.evicted_donors += 1
