@@ -10,6 +10,8 @@
 * `reuse`: checks of what semantic reuse loaded;
 * `attention_backend`: sglang's real torch_native `forward_extend` on a random batch, and the
   dense reference;
+* `random_models`: tiny random-weight HF model folders of each RoPE shape RopeSpec accepts
+  (and one model class the recompute layer hook does not know), for the real server;
 * `versions`: which version is installed, and what the adapter-contract suite
   (tests/contract) needs to know about it.
 
