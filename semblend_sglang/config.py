@@ -34,6 +34,7 @@ from .config_fields import (
     setting,
     specs_of,
 )
+from .recompute import STRATEGIES
 
 __all__ = [
     "EMBEDDERS",
@@ -169,6 +170,31 @@ class Config:
     )
     sink_tokens: int = setting(
         4, "Tokens recomputed at the start of each reused span (attention-sink effect).", minimum=0
+    )
+    recompute_strategy: str = setting(
+        "deviation",
+        "Which reused positions are recomputed: heads (first tokens of each span), deviation "
+        "(largest K/V deviation from the donor at the check layer), query (most attended by "
+        "the prompt's last tokens at the check layer).",
+        choices=STRATEGIES,
+    )
+    recompute_ratio: float = setting(
+        0.15,
+        "Fraction of a request's reused tokens recomputed in its one-pass extend (0: none).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    recompute_check_layer: int = setting(
+        1,
+        "deviation/query: layers up to this one compute every position; the selection is made "
+        "at it and only the selected reused positions are computed after it.",
+        minimum=0,
+    )
+    quality_gate: float = setting(
+        0.0,
+        "deviation/query: recompute every reused position (declined:quality_gate) when the mean "
+        "relative K/V deviation of those left after the budget exceeds this (0: off).",
+        minimum=0.0,
     )
     max_spans: int = setting(
         8, "Maximum spans in one plan (1 when strict_prefix_boundary).", minimum=1, maximum=4096

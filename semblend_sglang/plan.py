@@ -47,6 +47,8 @@ class Reason(enum.StrEnum):
     NOT_AT_BOUNDARY = "not_at_boundary"
     LOOKUP_BUDGET = "lookup_budget"
     RANK_DISAGREEMENT = "rank_disagreement"
+    QUALITY_GATE = "quality_gate"
+    UNSUPPORTED_MODEL = "unsupported_model"
     OTHER = "other"
 
 

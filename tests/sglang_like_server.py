@@ -6,14 +6,19 @@ Routes: ``POST /generate`` streamed (server-sent events: a comment line, a chunk
 yet, then one cumulative chunk per output token, ``data: [DONE]``, and one more chunk that a
 client must never read) or not (teacher-forced input logprobs from ``logprob_start_len``);
 ``POST /flush_cache`` (refused ``flush_refusals`` times first); ``GET /health_generate``; and,
-when ``semblend`` is set, ``GET /semblend/snapshot`` with counters a semblend server keeps.
+when ``semblend`` is set, ``GET /semblend/snapshot`` with counters a semblend server keeps and
+the settings it resolved (``config``; ``config=None`` and ``recompute_counter=False`` answer
+like a server from before the recompute budget: no ``config``, no ``recomputed_tokens``).
 
 Behaviour: a prompt's ``cached_tokens`` is its longest common prefix with a prompt seen since
 the last flush (SGLang's exact prefix cache). On a semblend server a streamed prompt whose last
 :data:`MIN_REUSE` tokens or more equal the end of an earlier prompt counts as ``materialized``
-with that common suffix reused, else ``declined`` (``no_donor``). Time to the first token is
-``first_token_delay_s`` plus ``prefill_s_per_token`` per token neither cached nor reused. Output
-tokens depend on the prompt only; a prompt starting with token 0 gets no token back.
+with that common suffix reused, less the ``config``'s ``recompute_ratio`` of it (rounded down),
+which counts as recomputed; else ``declined`` (``no_donor``). A prompt that would materialize
+but that ``gated`` accepts is declined (``quality_gate``) with the whole suffix recomputed. Time
+to the first token is ``first_token_delay_s`` plus ``prefill_s_per_token`` per token neither
+cached nor reused. Output tokens depend on the prompt only; a prompt starting with token 0 gets
+no token back.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +35,15 @@ from typing import Any
 
 MIN_REUSE = 32
 VOCAB = 49152
+RESOLVED_CONFIG: dict[str, Any] = {
+    "enabled": True,
+    "mode": "exact_spans",
+    "recompute_strategy": "deviation",
+    "recompute_ratio": 0.15,
+    "recompute_check_layer": 1,
+    "quality_gate": 0.0,
+}
+"""The default ``config`` of the snapshot (a part of ``Config.as_dict()``)."""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,11 +70,15 @@ class ServerState:
     """Pause after the first token when more than two were asked for."""
     prefill_s_per_token: float = 0.0
     flush_refusals: int = 0
+    config: dict[str, Any] | None = field(default_factory=lambda: dict(RESOLVED_CONFIG))
+    recompute_counter: bool = True
+    gated: Callable[[tuple[int, ...]], bool] = lambda prompt: False
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cache: list[tuple[int, ...]] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     declined: Counter[str] = field(default_factory=Counter)
     reused_tokens: int = 0
+    recomputed_tokens: int = 0
     hook_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -73,7 +91,16 @@ class ServerState:
             if self.semblend:
                 suffix = max((_common_prefix(prompt[::-1], c[::-1]) for c in self.cache), default=0)
                 reused = min(suffix, len(prompt) - cached - 1)
-                if reused >= MIN_REUSE:
+                if reused >= MIN_REUSE and self.gated(prompt):
+                    self.recomputed_tokens += reused
+                    reused = 0
+                    self.outcomes["declined"] += 1
+                    self.declined["quality_gate"] += 1
+                elif reused >= MIN_REUSE:
+                    ratio = float((self.config or {}).get("recompute_ratio", 0.0))
+                    recomputed = int(ratio * reused)
+                    reused -= recomputed
+                    self.recomputed_tokens += recomputed
                     self.outcomes["materialized"] += 1
                     self.reused_tokens += reused
                 else:
@@ -109,7 +136,12 @@ class _Handler(BaseHTTPRequestHandler):
                     "reused_tokens": state.reused_tokens,
                     "hook_seconds": state.hook_seconds,
                 }
-            self._send(200, {"total": total})
+                if state.recompute_counter:
+                    total["recomputed_tokens"] = state.recomputed_tokens
+            body: dict[str, Any] = {"ranks": [total], "total": total}
+            if state.config is not None:
+                body["config"] = state.config
+            self._send(200, body)
         elif self.path == "/health_generate":
             self._send(200, {})
         else:

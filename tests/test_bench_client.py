@@ -94,6 +94,7 @@ def test_server_client_answer_and_reference_logprobs(url: str, state: ServerStat
         "outcomes": {"declined": 2},
         "declined": {"no_donor": 2},
         "reused_tokens": 0,
+        "recomputed_tokens": 0,
         "hook_seconds": pytest.approx(0.001),
     }
 
@@ -113,6 +114,7 @@ def test_snapshot_and_health(url: str, state: ServerState) -> None:
         "outcomes": {},
         "declined": {},
         "reused_tokens": 0,
+        "recomputed_tokens": 0,
         "hook_seconds": 0.0,
     }
     assert health_generate(url) is True

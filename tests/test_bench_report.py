@@ -2,8 +2,10 @@
 runner, summary, console table, JSON, plot) against two small real HTTP servers that answer like
 a vanilla and a semblend SGLang server (tests/sglang_like_server.py). The file mixes RAG,
 template, unrelated-donor and control requests; the table, the JSON summary and the plot break
-down by their ``label``. The plot's choice (grouped bars for one context length, a panel per row
-for several) and its no-hit marks are checked on the drawn figure's artists."""
+down by their ``label``, each row naming the recompute settings the semblend server resolved and
+what its recompute budget and quality gate (which declines one template probe) did. The plot's
+choice (grouped bars for one context length, a panel per row for several) and its no-hit marks
+are checked on the drawn figure's artists."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import pytest
 from click.testing import CliRunner
-from sglang_like_server import ServerState, serve
+from sglang_like_server import RESOLVED_CONFIG, ServerState, serve
 
 from semblend_sglang.bench.e2e import SCHEMA_VERSION, command
 from semblend_sglang.bench.e2e_runner import ProbeRecord
@@ -30,6 +32,7 @@ from semblend_sglang.bench.plot import (
     ttft_bars,
     ttft_lines,
 )
+from semblend_sglang.bench.workload_file import load_workload_file
 
 LABELS = ("rag", "template", "control", "unrelated")
 """The file's labels in order of first appearance (its groups interleave them)."""
@@ -74,16 +77,24 @@ def _mixed_lines(essays: list[str]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def run(
-    tmp_path_factory: pytest.TempPathFactory, essay_texts: list[str], smollm2_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    essay_texts: list[str],
+    smollm2_model_dir: Path,
+    smollm2_tokenizer: Any,
 ) -> Iterator[tuple[str, dict[str, Any], Path]]:
-    """The command's console output, its JSON report and the workload file's path."""
+    """The command's console output, its JSON report and the workload file's path. The
+    semblend server's quality gate declines the probe of group ``template-1``."""
     root = tmp_path_factory.mktemp("mixed")
     path = root / "mixed.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in _mixed_lines(essay_texts)))
+    groups = load_workload_file(path, smollm2_tokenizer).groups
+    (gated,) = next(g for g in groups if g.group_id == "template-1").probes
     fast = {"prefill_s_per_token": 1e-5}
     with (
         serve(ServerState(semblend=False, **fast)) as vanilla,
-        serve(ServerState(semblend=True, **fast)) as semblend,
+        serve(
+            ServerState(semblend=True, gated=lambda p: p == gated.prompt_ids, **fast)
+        ) as semblend,
     ):
         result = CliRunner().invoke(
             command,
@@ -113,8 +124,23 @@ def test_json_summary_has_one_row_per_label(run: tuple[str, dict[str, Any], Path
     assert [(r["workload"], r["label"]) for r in rows] == [("mixed", label) for label in LABELS]
     assert len({r["context_tokens"] for r in rows}) == 1  # a file has one nominal length
     by = {r["label"]: r for r in rows}
+    assert report["semblend_config"] == {"exact_spans": RESOLVED_CONFIG}  # what it resolved
+    for row in rows:
+        assert row["exact_spans_recompute_strategy"] == "deviation"
+        assert row["exact_spans_recompute_ratio"] == 0.15
+        assert row["exact_spans_recompute_check_layer"] == 1
+        assert row["exact_spans_quality_gate"] == 0.0
+    assert [by[label]["exact_spans_gate_declines"] for label in LABELS] == [0, 1, 0, 0]
+    assert by["rag"]["exact_spans_recompute_share"] == pytest.approx(0.15, abs=0.01)
+    assert by["template"]["exact_spans_recompute_share"] > 0.5  # one probe fully recomputed
+    for label in ("control", "unrelated"):  # nothing matched a donor
+        assert by[label]["exact_spans_recomputed_tokens"] == 0
+        assert by[label]["exact_spans_recompute_share"] is None
+    assert (
+        by["rag"]["exact_spans_hit_rate"] == 1.0 and by["template"]["exact_spans_hit_rate"] == 0.5
+    )
     for label in ("rag", "template"):  # the donor's text behind another head: reused
-        assert by[label]["exact_spans_hit_rate"] == 1.0 and by[label]["exact_spans_n"] == 2
+        assert by[label]["exact_spans_n"] == 2 and by[label]["exact_spans_recomputed_tokens"] > 0
         assert by[label]["control"] is False and "exact_spans_miss_overhead" not in by[label]
         assert by[label]["exact_spans_greedy_agreement"] == 1.0
         assert by[label]["cold_n"] == 2 and by[label]["prefix_n"] == 2
@@ -135,10 +161,15 @@ def test_records_carry_labels_and_rebuild_the_summary(
     records = [ProbeRecord(**r) for r in report["records"]]
     assert {r.label for r in records} == set(LABELS)
     assert all((r.donors == 0) == (r.label == "control") for r in records)
-    assert summarize(records, by_label=True) == report["summary"]
-    (whole,) = summarize(records)  # without the breakdown: one averaged row, as before
+    gated = [r for r in records if r.outcome == "declined:quality_gate"]
+    assert [(r.group_id, r.reused_tokens) for r in gated] == [("template-1", 0)]
+    assert gated[0].recomputed_tokens and gated[0].recomputed_tokens > 0
+    configs = report["semblend_config"]
+    assert summarize(records, by_label=True, configs=configs) == report["summary"]
+    (whole,) = summarize(records, configs=configs)  # without the breakdown: one averaged row
     assert whole["label"] is None and whole["exact_spans_n"] == 7
-    assert whole["exact_spans_hit_rate"] == pytest.approx(4 / 7)
+    assert whole["exact_spans_hit_rate"] == pytest.approx(3 / 7)
+    assert whole["exact_spans_gate_declines"] == 1
 
 
 def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Path]) -> None:
@@ -150,6 +181,20 @@ def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Pa
     assert [line.split()[0] for line in table] == names
     control = table[LABELS.index("control")].split()
     assert control[8] == "0"  # hit%: no hit on the control row
+    assert control[-4:] == ["deviation", "15%", "-", "0"]  # nothing to recompute, no decline
+    template = table[LABELS.index("template")].split()
+    share = (
+        100
+        * next(r for r in report["summary"] if r["label"] == "template")[
+            "exact_spans_recompute_share"
+        ]
+    )
+    assert template[-4:-1] == ["deviation", "15%", f"{share:.0f}"]
+    assert template[-1] == "1"  # the gate's one decline
+    assert lines.index(
+        "exact_spans: recompute_strategy=deviation recompute_ratio=0.15 recompute_check_layer=1 "
+        "quality_gate=0.0"
+    ) < lines.index(next(line for line in lines if line.startswith("workload")))
 
 
 def _bars(ax: Any) -> list[Any]:

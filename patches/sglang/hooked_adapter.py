@@ -181,6 +181,9 @@ class HookedAdapter(SglangAdapter):
             if adapter.backend_ok is None:  # the first forward: learn the backend instance
                 runtime.guarded("backend", None, None, adapter._check_backend, model_runner)
             ret = orig_init_new(batch, model_runner, *args, **kwargs)
+            hook = runtime.check_hook
+            if hook is not None and getattr(batch, one_pass.CHECK_ATTR, None):
+                runtime.guarded("arm", None, None, hook.arm, batch, ret)
             if getattr(batch, one_pass.SPARSE_ATTR, None) and ret.positions is not None:
                 if ret.forward_mode.is_decode_or_idle():
                     one_pass.clear(batch)
@@ -221,17 +224,27 @@ class HookedAdapter(SglangAdapter):
         ):
             return
         spec = self.rope_spec()
-        if spec is None:
+        refused = None if spec is not None else Reason.UNSUPPORTED_CACHE
+        if runtime.layer_check is False:
+            refused = Reason.UNSUPPORTED_MODEL
+        if refused is not None:
             for req in batch.reqs:
                 state = runtime.state_of(req.rid)
                 if state is not None and state.open and not state.reused_any:
-                    runtime.decline(req.rid, Reason.UNSUPPORTED_CACHE)
+                    runtime.decline(req.rid, refused)
             if not peers:
                 return
         before = {r.rid: s.reused_total for r in batch.reqs if (s := runtime.state_of(r.rid))}
         try:
             one_pass.load_batch_spans(
-                runtime, cache, batch, self._match_donor, spec, self.batch_fields, peers
+                runtime,
+                cache,
+                batch,
+                self._match_donor,
+                spec,
+                self.batch_fields,
+                peers,
+                check=runtime.check_layer_active,
             )
         except Exception as exc:  # the batch is unchanged: its requests compute every position
             for req in batch.reqs:

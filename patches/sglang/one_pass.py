@@ -42,6 +42,20 @@ from .runtime import RequestReuse, SemblendRuntime
 SPARSE_ATTR = "_semblend_sparse_positions"
 """ScheduleBatch attribute: {rid: computed positions (CPU int64)} of its sparse requests."""
 
+CHECK_ATTR = "_semblend_check_candidates"
+"""ScheduleBatch attribute: {rid: :class:`CheckCandidates`} of the requests whose copied
+positions are computed up to the check layer and selected there (:mod:`.layer_hook`)."""
+
+
+@dataclass(frozen=True)
+class CheckCandidates:
+    """One request's copied positions in a batch that selects at the check layer: ``offsets``
+    into the request's computed tokens of this chunk (CPU int64, ascending); ``final``: the
+    chunk ends the prompt (the outcome is recorded at the check)."""
+
+    offsets: torch.Tensor
+    final: bool
+
 
 @dataclass(frozen=True)
 class BatchFields:
@@ -104,9 +118,12 @@ def load_batch_spans(
     spec: Any,
     fields: BatchFields = UNIFIED_FIELDS,
     peers: list[Any] | None = None,
+    check: bool = False,
 ) -> None:
     """Copy the reused spans of ``batch`` (after ``prepare_for_extend``) and make its extend
-    sparse. ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, None)`` when the
+    sparse, or, with ``check`` (a check-layer strategy), leave every position computed and
+    record the copied ones as the batch's check candidates (:data:`CHECK_ATTR`).
+    ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, None)`` when the
     donor's KV is gone, else ``(None, DonorSlots)`` covering its positions [0, donor_end); a
     span with a position not on the device is computed instead. ``fields`` reads the
     version's request and tree names. Requests are declined or completed through ``runtime``.
@@ -137,9 +154,12 @@ def load_batch_spans(
         raise failure
     if not loads:
         return
-    _sparsify(batch, loads)
+    if check:
+        _record_candidates(batch, loads)
+    else:
+        _sparsify(batch, loads)
     for load in loads:
-        _settle(runtime, load)
+        _settle(runtime, load, deferred=check and bool(load.copied))
 
 
 def _match_and_copy(
@@ -321,14 +341,34 @@ def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     setattr(batch, SPARSE_ATTR, sparse)
 
 
-def _settle(runtime: SemblendRuntime, load: _RequestLoad) -> None:
+def _record_candidates(batch: Any, loads: list[_RequestLoad]) -> None:
+    """Keep the batch dense; note each load's copied positions as check candidates."""
+    found: dict[str, CheckCandidates] = dict(getattr(batch, CHECK_ATTR, None) or {})
+    for load in loads:
+        if not load.copied:
+            continue
+        parts = [
+            torch.arange(span.target_start - load.lo, span.target_end - load.lo)
+            for span, _ in load.copied
+        ]
+        offsets = torch.sort(torch.cat(parts)).values.to(torch.int64)
+        final = load.hi >= len(load.req.origin_input_ids)
+        found[load.req.rid] = CheckCandidates(offsets, final)
+    setattr(batch, CHECK_ATTR, found)
+
+
+def _settle(runtime: SemblendRuntime, load: _RequestLoad, deferred: bool = False) -> None:
+    """Advance the request's state past this chunk; at its last chunk record the outcome,
+    unless ``deferred`` (the check layer records it, :meth:`SemblendRuntime.checked`)."""
     state = load.state
+    recomputed = state.recomputed
     if load.copied:
         state.loaded(load.copied, load.hi)
     else:
         state.skipped(load.hi)
-    if load.hi < len(load.req.origin_input_ids):
-        return  # later chunks may copy more
+    runtime.count_recomputed(state.recomputed - recomputed)
+    if load.hi < len(load.req.origin_input_ids) or deferred:
+        return  # later chunks may copy more, or the check layer decides
     if state.reused_any:
         runtime.finish_reuse(load.req.rid)
     else:
@@ -362,6 +402,8 @@ def forward_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor | Non
 
 
 def clear(batch: Any) -> None:
-    """Forget ``batch``'s sparse positions (it is about to be prepared for another step)."""
-    if getattr(batch, SPARSE_ATTR, None) is not None:
-        setattr(batch, SPARSE_ATTR, None)
+    """Forget ``batch``'s sparse positions and check candidates (it is about to be prepared for
+    another step)."""
+    for attr in (SPARSE_ATTR, CHECK_ATTR):
+        if getattr(batch, attr, None) is not None:
+            setattr(batch, attr, None)

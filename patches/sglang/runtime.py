@@ -7,7 +7,6 @@ calls, decide the same). It imports no sglang module; the adapter passes sglang 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import json
 import logging
@@ -18,117 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from semblend_sglang.align import Span
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 from semblend_sglang.provider import SemanticProvider
+from semblend_sglang.recompute import RecomputeStrategy, head_lengths
+
+from .request_reuse import RequestReuse, ReuseState
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class ReuseState(enum.Enum):
-    """Where a request's reuse plan stands. Transitions are :class:`RequestReuse` methods.
-
-    ``PLANNED`` (looked up, nothing copied) -> ``LOADING`` (spans inside the prefill chunks run
-    so far were copied; later chunks may copy more) -> ``MATERIALIZED`` (no further span is
-    copied). A plan that is declined or fails leaves the runtime.
-    """
-
-    PLANNED = "planned"
-    LOADING = "loading"
-    MATERIALIZED = "materialized"
-
-
-@dataclass
-class RequestReuse:
-    """The reuse plan of one request and how far it got; owned by :class:`SemblendRuntime`.
-
-    ``spans`` are in target order, ``donors[i]`` is span ``i``'s donor. ``handled_to``: target
-    positions below it were offered for reuse already (copied or computed), so a later prefill
-    chunk never copies them again. Once any KV was copied (``reused_any``) nothing from
-    ``publish_cap`` (the first copied position) on may be published into the exact cache.
-    """
-
-    rid: str
-    namespace: Namespace
-    plan: ReusePlan
-    spans: tuple[Span, ...]
-    donors: tuple[Hashable, ...]
-    state: ReuseState = ReuseState.PLANNED
-    handled_to: int = 0
-    reused_total: int = 0
-    """Tokens materialized so far, over all spans."""
-    loaded_pieces: tuple[tuple[Span, Hashable], ...] = ()
-    """Every (span part, donor) copied so far, in copy order."""
-    first_loaded: int | None = None
-
-    @property
-    def spans_loaded(self) -> int:
-        """Span parts copied so far (a span split by a prefill chunk counts once per part)."""
-        return len(self.loaded_pieces)
-
-    @property
-    def donors_loaded(self) -> frozenset[Hashable]:
-        """Donors whose KV was copied."""
-        return frozenset(d for _, d in self.loaded_pieces)
-
-    # ------------------------------------------------------------- reading
-    @property
-    def publish_cap(self) -> int:
-        """The request publishes nothing from here on once it reused KV: the first copied
-        position (the first span's start before anything was copied)."""
-        return self.spans[0].target_start if self.first_loaded is None else self.first_loaded
-
-    @property
-    def reused_any(self) -> bool:
-        """True once at least one span's KV was copied into the request's slots."""
-        return self.reused_total > 0
-
-    @property
-    def open(self) -> bool:
-        """True while a later prefill chunk may still copy spans (PLANNED or LOADING)."""
-        return self.state in (ReuseState.PLANNED, ReuseState.LOADING)
-
-    def pieces_within(self, lo: int, hi: int) -> list[tuple[Span, Hashable]]:
-        """The parts of not yet handled spans inside target positions [lo, hi), with donors."""
-        lo = max(lo, self.handled_to)
-        out: list[tuple[Span, Hashable]] = []
-        for span, donor in zip(self.spans, self.donors, strict=True):
-            a = max(span.target_start, lo)
-            b = min(span.target_end, hi)
-            if b > a:
-                out.append((Span(a, span.donor_start + a - span.target_start, b - a), donor))
-        return out
-
-    # ------------------------------------------------------------- transitions
-    def loaded(self, pieces: list[tuple[Span, Hashable]], handled_to: int) -> None:
-        """PLANNED/LOADING -> LOADING: ``pieces`` were copied into the request's slots;
-        target positions below ``handled_to`` are done with."""
-        self._expect(ReuseState.PLANNED, ReuseState.LOADING)
-        self.state = ReuseState.LOADING
-        self.handled_to = max(self.handled_to, handled_to)
-        for span, _ in pieces:
-            if self.first_loaded is None or span.target_start < self.first_loaded:
-                self.first_loaded = span.target_start
-            self.reused_total += span.length
-        self.loaded_pieces = self.loaded_pieces + tuple(pieces)
-
-    def skipped(self, handled_to: int) -> None:
-        """Target positions below ``handled_to`` were computed, nothing copied (state kept)."""
-        self._expect(ReuseState.PLANNED, ReuseState.LOADING)
-        self.handled_to = max(self.handled_to, handled_to)
-
-    def complete(self) -> None:
-        """-> MATERIALIZED: no further span is copied (terminal while the request lives)."""
-        self.state = ReuseState.MATERIALIZED
-
-    def _expect(self, *allowed: ReuseState) -> None:
-        if self.state not in allowed:
-            raise RuntimeError(f"reuse of {self.rid}: {self.state.value} is not one of {allowed}")
 
 
 @dataclass
@@ -144,6 +44,21 @@ class HeldDonorCounts:
     evicted: int = 0
     dropped: int = 0
     tokens: int = 0
+
+
+@dataclass
+class RecomputeCounts:
+    """Counters of the recompute budget (process lifetime).
+
+    ``tokens``: reused positions recomputed (span heads, or selected at a check layer);
+    ``checks``: request chunks that reached a check layer; ``gated``: of those, refused by the
+    quality gate; ``residual_deviation_sum``: the sum over checks of the mean relative K/V
+    deviation left unrecomputed by the budget (divide by ``checks`` for the mean)."""
+
+    tokens: int = 0
+    checks: int = 0
+    gated: int = 0
+    residual_deviation_sum: float = 0.0
 
 
 class SemblendRuntime:
@@ -170,6 +85,12 @@ class SemblendRuntime:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self.held = HeldDonorCounts()
+        self.recompute = RecomputeCounts()
+        self.layer_check: bool | None = None
+        """Whether the served model's layers take the check-layer recompute (set at scheduler
+        start by :mod:`.layer_hook`); None while no model is known (an engine-less cache)."""
+        self.check_hook: Any = None
+        """The :class:`.layer_hook.LayerHook` of the served model, when installed."""
         """What the adapter's held-donor store did (``held_donors`` in :meth:`snapshot`)."""
         self.refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
@@ -201,6 +122,10 @@ class SemblendRuntime:
         snap["unsupported_options"] = list(self.refused)
         snap["held_donors"] = dataclasses.asdict(self.held)
         snap["evicted_donors"] = self.evicted_donors
+        snap["recomputed_tokens"] = self.recompute.tokens
+        snap["recompute_checks"] = self.recompute.checks
+        snap["recompute_gated"] = self.recompute.gated
+        snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
         return snap
 
     # ----------------------------------------------------------------- donors
@@ -286,15 +211,29 @@ class SemblendRuntime:
     def start(self, rid: str, namespace: Namespace, plan: ReusePlan) -> RequestReuse:
         """Track ``plan`` for request ``rid``; its spans are materialized in target order."""
         order = sorted(range(len(plan.spans)), key=lambda i: plan.spans[i].target_start)
+        spans = tuple(plan.spans[i] for i in order)
+        heads: tuple[int, ...] = ()
+        if self.config.recompute_strategy == RecomputeStrategy.HEADS:
+            heads = tuple(head_lengths([s.length for s in spans], self.config.recompute_ratio))
         state = RequestReuse(
             rid=rid,
             namespace=namespace,
             plan=plan,
-            spans=tuple(plan.spans[i] for i in order),
+            spans=spans,
             donors=tuple(plan.donor_of(i) for i in order),
+            heads=heads if any(heads) else (),
         )
         self.requests[rid] = state
         return state
+
+    @property
+    def check_layer_active(self) -> bool:
+        """True when the configured strategy selects at a check layer and the served model's
+        layers take the hook (:attr:`layer_check`). While no model is known (the cache without
+        an engine) such a strategy recomputes nothing; where the model refused the hook,
+        plans are declined (``unsupported_model``, by the adapter)."""
+        strategy = RecomputeStrategy(self.config.recompute_strategy)
+        return strategy.uses_check_layer and self.layer_check is True
 
     def decline(self, rid: str, reason: str) -> None:
         """The engine will not use (the rest of) the plan of ``rid``; the request continues
@@ -307,8 +246,28 @@ class SemblendRuntime:
             self.provider.record_declined(rid, reason)
 
     def finish_reuse(self, rid: str) -> None:
-        """No further span of ``rid`` is materialized; record its outcome (materialized)."""
+        """No further span of ``rid`` is materialized; record its outcome: materialized, or
+        ``declined:quality_gate`` when the gate had every copied position recomputed."""
         self._stop_after_reuse(rid)
+
+    def count_recomputed(self, tokens: int) -> None:
+        """``tokens`` reused positions were recomputed by the scheduler (span heads)."""
+        self.recompute.tokens += tokens
+
+    def checked(self, rid: str, recomputed: int, gated: bool, residual: float, final: bool) -> None:
+        """A check layer recomputed ``recomputed`` of the positions ``rid`` copied in this chunk
+        (``gated``: all, by the quality gate; ``residual``: the mean deviation the budget left).
+        ``final``: the chunk ends the prompt, so the outcome is recorded now."""
+        self.recompute.tokens += recomputed
+        self.recompute.checks += 1
+        self.recompute.gated += int(gated)
+        self.recompute.residual_deviation_sum += residual
+        state = self.requests.get(rid)
+        if state is None:
+            return
+        state.checked(recomputed, gated)
+        if final:
+            self.finish_reuse(rid)
 
     def _stop_after_reuse(self, rid: str) -> bool:
         state = self.requests.get(rid)
@@ -316,9 +275,15 @@ class SemblendRuntime:
             return False
         if state.state is not ReuseState.MATERIALIZED:
             state.complete()
-            self.provider.record_materialized(
-                rid, state.reused_total, spans=state.spans_loaded, donors=len(state.donors_loaded)
-            )
+            if state.gated and state.reused_total <= 0:
+                self.provider.record_declined(rid, Reason.QUALITY_GATE)
+            else:
+                self.provider.record_materialized(
+                    rid,
+                    state.reused_total,
+                    spans=state.spans_loaded,
+                    donors=len(state.donors_loaded),
+                )
         return True
 
     def guarded(

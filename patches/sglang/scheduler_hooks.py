@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import layer_hook
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .runtime import SemblendRuntime
 from .server_options import engine_hf_config, unsupported_options
@@ -54,8 +55,9 @@ def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) 
     semantic reuse does not support (:func:`.server_options.unsupported_options`) and turns
     the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`); otherwise the runtime
     takes the model's RoPE from the engine's resolved config
-    (:meth:`SemblendRuntime.use_model_config`). The scheduler's forward stream is handed to the
-    runtime in both cases (the copy waits for it)."""
+    (:meth:`SemblendRuntime.use_model_config`) and wraps the model's layers for a check-layer
+    recompute strategy (:func:`.layer_hook.install`). The scheduler's forward stream is handed
+    to the runtime in both cases (the copy waits for it)."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -71,5 +73,8 @@ def wrap_scheduler_init(original: Callable[..., Any], runtime: SemblendRuntime) 
         hf_config = engine_hf_config(model_config)
         if hf_config is not None:
             runtime.guarded("startup", None, None, runtime.use_model_config, hf_config)
+        runner = layer_hook.model_runner_of(self)
+        if runner is not None:
+            runtime.guarded("startup", None, None, layer_hook.install, runtime, runner)
 
     return __init__

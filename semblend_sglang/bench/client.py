@@ -1,6 +1,7 @@
 """The bench's one HTTP client of an SGLang server: streamed greedy ``/generate`` (server-sent
 events), teacher-forced reference logprobs, ``/flush_cache``, ``/health_generate`` and
-semblend's ``GET /semblend/snapshot``. Every bench job that talks to a server uses it.
+semblend's ``GET /semblend/snapshot`` (its counters, and the settings the server resolved).
+Every bench job that talks to a server uses it.
 
 Stream format (sglang 0.5.23, ``/generate`` with ``"stream": true``): lines ``data: {json}``, each
 object carrying the ``text`` and ``meta_info`` so far (cumulative), then ``data: [DONE]``; blank
@@ -134,17 +135,38 @@ def flush_cache(url: str, attempts: int = 50, interval_s: float = 0.2) -> None:
     raise RuntimeError(f"{url}/flush_cache refused {attempts} times")
 
 
-def semblend_snapshot(url: str) -> dict[str, Any] | None:
-    """semblend's counters summed over the server's schedulers (``GET /semblend/snapshot``,
-    ``total``), or None when the server has no semblend route (a vanilla server)."""
+def semblend_state(url: str) -> dict[str, Any] | None:
+    """The whole ``GET /semblend/snapshot`` answer: ``ranks`` (each scheduler's counters),
+    ``total`` (summed) and ``config`` (the first scheduler's resolved settings, absent or None
+    on an older server), or None when the server has no semblend route (a vanilla server).
+    Another error status raises ``httpx.HTTPStatusError``."""
     import httpx
 
     resp = httpx.get(url + "/semblend/snapshot", timeout=60.0)
     if resp.status_code == 404:
         return None
     resp.raise_for_status()
-    total: dict[str, Any] = resp.json()["total"]
+    state: dict[str, Any] = resp.json()
+    return state
+
+
+def semblend_snapshot(url: str) -> dict[str, Any] | None:
+    """semblend's counters summed over the server's schedulers (``GET /semblend/snapshot``,
+    ``total``), or None when the server has no semblend route (a vanilla server)."""
+    state = semblend_state(url)
+    if state is None:
+        return None
+    total: dict[str, Any] = state["total"]
     return total
+
+
+def semblend_config(url: str) -> dict[str, Any] | None:
+    """The settings the server's first scheduler resolved (``GET /semblend/snapshot``,
+    ``config``: ``Config.as_dict()``, e.g. ``recompute_strategy``), or None when the server has
+    no semblend route (vanilla) or reports no config (an older semblend server)."""
+    state = semblend_state(url)
+    config = None if state is None else state.get("config")
+    return dict(config) if isinstance(config, dict) else None
 
 
 def health_generate(url: str, timeout: float = 120.0) -> bool:
@@ -202,3 +224,7 @@ class ServerClient:
     def snapshot(self) -> dict[str, Any] | None:
         """:func:`semblend_snapshot` of this server."""
         return semblend_snapshot(self.url)
+
+    def config(self) -> dict[str, Any] | None:
+        """:func:`semblend_config` of this server."""
+        return semblend_config(self.url)

@@ -6,8 +6,9 @@ summary rows :mod:`.e2e_summary`; the console table and JSON :mod:`.report`; the
 :mod:`.plot`. This module is the command: options, workloads, servers, and the report file.
 
 Control-set probes have no donor; on the semblend servers they measure the miss overhead. TTFT is
-streaming and greedy (first chunk carrying a token). Output: console table, JSON (every request
-and the environment), PNG plot.
+streaming and greedy (first chunk carrying a token). Output: console table headed by the
+recompute settings each semblend server resolved, JSON (every request, the environment and each
+semblend server's resolved settings), PNG plot.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .client import ServerClient
 from .e2e_runner import GREEDY_TOKENS, Runner, requests_per_group
 from .e2e_summary import summarize
 from .plot import plot
-from .report import console_table, write_json
+from .report import console_table, settings_lines, write_json
 from .report import environment as report_environment
 from .systems import (
     DEFAULT_SYSTEMS,
@@ -42,9 +43,14 @@ from .workloads import Workload
 
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
-``--workload`` file gives one row per probe label."""
+``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
+settings its server resolved, None when it reported none; semblend systems only); summary rows
+carry per semblend system ``_recompute_strategy``, ``_recompute_ratio``,
+``_recompute_check_layer``, ``_quality_gate`` (resolved; None: not reported),
+``_gate_declines``, ``_recomputed_tokens`` and ``_recompute_share``; records
+``recomputed_tokens``."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -135,7 +141,8 @@ def parse_lengths(text: str) -> list[int]:
     multiple=True,
     metavar="KEY=VALUE",
     help="SemBlend setting for the started semblend servers (repeat; e.g. "
-    "--semblend-env SEMBLEND_STRICT_PREFIX_BOUNDARY=0).",
+    "--semblend-env SEMBLEND_RECOMPUTE_STRATEGY=heads --semblend-env "
+    "SEMBLEND_RECOMPUTE_RATIO=0.05). The report names the settings the servers resolved.",
 )
 @click.option(
     "--out",
@@ -230,7 +237,9 @@ def command(
     finally:
         for server in servers.values():
             server.stop()
-    rows = summarize(runner.records, by_label=workload_file is not None)
+    rows = summarize(runner.records, by_label=workload_file is not None, configs=runner.configs)
+    for line in settings_lines(runner.configs):
+        click.echo(line)
     click.echo(console_table(rows))
     json_path = json_path or out_dir / "e2e.json"
     plot_path = plot_path or out_dir / "e2e.png"
@@ -249,6 +258,7 @@ def command(
             "flush": flush,
             "semblend_env": semblend_env,
         },
+        "semblend_config": runner.configs,
         "wall_s": time.monotonic() - started,
         "summary": rows,
         "records": [asdict(r) for r in runner.records],

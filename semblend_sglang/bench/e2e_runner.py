@@ -5,8 +5,10 @@ For each group, after ``/flush_cache`` on every server (unless flushing is off):
 
 - exact_spans / substitute / exact_spans_sglang_dispatch: the donors, then the probe
   (``semantic``: TTFT and :data:`GREEDY_TOKENS` greedy tokens) and its reference logprobs. The
-  probe's outcome (materialized or not, reused tokens) and the scheduler's time in semblend's
-  hooks come from the server's own counters (``GET /semblend/snapshot``) read before and after it.
+  probe's outcome (materialized or not, ``declined:quality_gate`` among the reasons), reused and
+  recomputed tokens and the scheduler's time in semblend's hooks come from the server's own
+  counters (``GET /semblend/snapshot``) read before and after it. The settings each semblend
+  server resolved (the snapshot's ``config``) are read once, before its first group.
 - vanilla: the donors, then the probe (``prefix``: what SGLang's exact prefix cache gives it;
   TTFT only); after a flush the probe alone (``cold``: TTFT, greedy tokens and the reference
   logprobs, the quality baseline); after a flush the first ``c`` probe tokens then the probe
@@ -43,6 +45,10 @@ class ProbeRecord:
     cached_tokens: int
     outcome: str | None = None
     reused_tokens: int | None = None
+    recomputed_tokens: int | None = None
+    """Semblend servers: reused positions the server recomputed during the probe (the recompute
+    budget, or all of them when the quality gate declined); 0 from a server without the
+    ``recomputed_tokens`` counter."""
     hook_ms: float | None = None
     """Semblend servers: the scheduler's time in semblend's hooks during the probe."""
     output_ids: list[int] = field(default_factory=list)
@@ -60,6 +66,22 @@ def hook_ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     return 1000.0 * (float(after.get("hook_seconds", 0.0)) - float(before.get("hook_seconds", 0.0)))
 
 
+def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str) -> int:
+    """How much the numeric counter ``key`` grew between two ``/semblend/snapshot`` totals; 0
+    when either is None or lacks the key (an older server without that counter)."""
+    if before is None or after is None:
+        return 0
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def declined_reasons(outcome: str | None) -> frozenset[str]:
+    """The decline reasons of an :func:`outcome_delta` outcome (``declined:a,b`` -> {a, b});
+    empty for any other outcome or None."""
+    if not outcome or not outcome.startswith("declined:"):
+        return frozenset()
+    return frozenset(r for r in outcome[len("declined:") :].split(",") if r)
+
+
 def outcome_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> tuple[str, int]:
     """The outcome a request added to the counters between two ``/semblend/snapshot`` totals
     (``materialized``, ``declined:<reasons>``, several joined by commas; ``none`` when no count
@@ -71,7 +93,7 @@ def outcome_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
         for name, count in (after.get("outcomes") or {}).items()
         if count != (before.get("outcomes") or {}).get(name, 0)
     ]
-    reused = int(after.get("reused_tokens", 0)) - int(before.get("reused_tokens", 0))
+    reused = counter_delta(before, after, "reused_tokens")
     if not changed:
         return "none", reused
     if "declined" in changed:
@@ -85,7 +107,9 @@ def outcome_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
 
 
 class Runner:
-    """Sends every group of every workload to each system and records the probes."""
+    """Sends every group of every workload to each system and records the probes
+    (``records``) and the settings each semblend server resolved (``configs``: system ->
+    the snapshot's ``config``, None from a server that reports none; vanilla is absent)."""
 
     def __init__(
         self,
@@ -100,6 +124,7 @@ class Runner:
         self.flush = flush
         self.progress = progress
         self.records: list[ProbeRecord] = []
+        self.configs: dict[str, dict[str, Any] | None] = {}
 
     def _flush(self, client: ServerClient) -> None:
         if self.flush:
@@ -147,6 +172,8 @@ class Runner:
             client = self.clients.get(system)
             if client is None:
                 continue
+            if system not in self.configs:
+                self.configs[system] = client.config()
             self._flush(client)
             self._send_donors(client, group)
             for i, probe in enumerate(group.probes):
@@ -165,6 +192,7 @@ class Runner:
                     answer,
                     outcome=outcome,
                     reused_tokens=reused,
+                    recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
                     hook_ms=hook_ms_delta(before, after),
                 )
                 rec.reference_logprobs = self._reference(client, probe)

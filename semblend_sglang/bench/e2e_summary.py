@@ -1,16 +1,17 @@
 """The e2e job's summary: probe records reduced to rows, one per workload and context length
 or, for a user's workload file (``by_label``), one per workload, probe ``label`` and context
 length. A row holds TTFT percentiles per system and kind, server-confirmed hits and reuse per
-semblend system, quality against the cold run of the same probe, and on control rows (no probe
-in the row has a donor) the miss overhead.
+semblend system, quality against the cold run of the same probe, the recompute settings the
+system's server resolved and what its recompute budget and quality gate did, and on control
+rows (no probe in the row has a donor) the miss overhead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .e2e_runner import GREEDY_TOKENS, ProbeRecord
+from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
 from .metrics import greedy_agreement, miss_overhead, percentile, ppl_ratio, rouge_l
 from .systems import SEMBLEND_SYSTEMS, SGLANG_DISPATCH
 
@@ -23,6 +24,17 @@ TTFT_KINDS: tuple[tuple[str, str], ...] = (
     (SGLANG_DISPATCH, "semantic"),
 )
 """(system, kind) pairs with TTFT columns: ``{kind}_ms_*`` for vanilla, ``{system}_ms_*`` else."""
+
+RECOMPUTE_SETTINGS = (
+    "recompute_strategy",
+    "recompute_ratio",
+    "recompute_check_layer",
+    "quality_gate",
+)
+"""The resolved settings (keys of the server's snapshot ``config``) each semblend system's rows
+repeat as ``{system}_{setting}``; None where the server did not report one (an older server)."""
+QUALITY_GATE = "quality_gate"
+"""The decline reason of a reuse the quality gate turned into a full recompute."""
 
 _Key = tuple[str, str | None, int]
 
@@ -67,14 +79,16 @@ def _system_columns(
     mine: Sequence[ProbeRecord],
     cold_of: dict[tuple[str, int], ProbeRecord],
     control: bool,
+    config: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Hits, reuse and quality of one semblend system's probes; miss overhead on control rows."""
+    """Hits, reuse, recompute and quality of one semblend system's probes (``config``: the
+    settings its server resolved); miss overhead on control rows."""
     out: dict[str, Any] = {}
     hits = [r for r in probes if r.outcome == "materialized"]
     out[f"{system}_hit_rate"] = len(hits) / len(probes)
-    out[f"{system}_reused_fraction"] = sum(r.reused_tokens or 0 for r in probes) / max(
-        1, sum(r.prompt_tokens for r in probes)
-    )
+    reused = sum(r.reused_tokens or 0 for r in probes)
+    out[f"{system}_reused_fraction"] = reused / max(1, sum(r.prompt_tokens for r in probes))
+    out.update(_recompute_columns(system, probes, reused, config))
     ratios: list[float] = []
     agreements: list[tuple[bool, float]] = []
     rouges: list[tuple[bool, float]] = []
@@ -107,11 +121,39 @@ def _system_columns(
     return out
 
 
-def summarize(records: Sequence[ProbeRecord], by_label: bool = False) -> list[dict[str, Any]]:
+def _recompute_columns(
+    system: str,
+    probes: Sequence[ProbeRecord],
+    reused: int,
+    config: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The resolved recompute settings, the quality gate's declines, the recomputed tokens and
+    their share of the positions matched to a donor (reused + recomputed)."""
+    out: dict[str, Any] = {f"{system}_{k}": (config or {}).get(k) for k in RECOMPUTE_SETTINGS}
+    out[f"{system}_gate_declines"] = sum(
+        QUALITY_GATE in declined_reasons(r.outcome) for r in probes
+    )
+    recomputed = sum(r.recomputed_tokens or 0 for r in probes)
+    out[f"{system}_recomputed_tokens"] = recomputed
+    matched = reused + recomputed
+    out[f"{system}_recompute_share"] = recomputed / matched if matched else None
+    return out
+
+
+def summarize(
+    records: Sequence[ProbeRecord],
+    by_label: bool = False,
+    configs: Mapping[str, Mapping[str, Any] | None] | None = None,
+) -> list[dict[str, Any]]:
     """Rows of ``records`` (see the module doc), ordered by context length, workload, then
-    label in order of first appearance. Every row has ``workload``, ``label`` (None unless
-    ``by_label``), ``context_tokens`` and ``control``; TTFT p50/p90 and counts per
-    :data:`TTFT_KINDS`; per semblend system that ran: ``_hit_rate``, ``_reused_fraction``,
+    label in order of first appearance. ``configs``: system -> the settings its server resolved
+    (:attr:`.e2e_runner.Runner.configs`; a system missing or None: settings unknown). Every row
+    has ``workload``, ``label`` (None unless ``by_label``), ``context_tokens`` and ``control``;
+    TTFT p50/p90 and counts per :data:`TTFT_KINDS`; per semblend system that ran: each of
+    :data:`RECOMPUTE_SETTINGS` as ``_{setting}``, ``_gate_declines`` (probes the quality gate
+    declined), ``_recomputed_tokens`` (reused positions recomputed, summed),
+    ``_recompute_share`` (of reused + recomputed tokens; None when both are 0), ``_hit_rate``,
+    ``_reused_fraction``,
     ``_ppl_ratio`` (median; ``_max``), ``_greedy_agreement``, ``_rouge_l`` against the vanilla
     cold run of the same probe (and ``_greedy_agreement_hits``, ``_rouge_l_hits``: over the
     probes the server materialized only), and on control rows ``_miss_overhead``,
@@ -141,7 +183,8 @@ def summarize(records: Sequence[ProbeRecord], by_label: bool = False) -> list[di
         for system in SEMBLEND_SYSTEMS:
             probes = [r for r in mine if r.system == system and r.kind == "semantic"]
             if probes:
-                row.update(_system_columns(system, probes, mine, cold_of, control))
+                config = (configs or {}).get(system)
+                row.update(_system_columns(system, probes, mine, cold_of, control, config))
         exact_agree = [
             greedy_agreement(r.output_ids, cold_of[(r.group_id, r.probe)].output_ids)
             for r in mine

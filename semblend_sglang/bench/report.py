@@ -1,6 +1,7 @@
 """What the bench jobs report beside their measurements, and how: the machine and software
 (:func:`cpu_model`, :func:`environment`), JSON files (:func:`write_json`), and the e2e job's
-console table of its summary rows (:func:`console_table`). The e2e plot is :mod:`.plot`.
+console table of its summary rows (:func:`console_table`) headed by the recompute settings each
+semblend server resolved (:func:`settings_lines`). The e2e plot is :mod:`.plot`.
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .e2e_summary import row_name
+from .e2e_summary import RECOMPUTE_SETTINGS, row_name
 from .systems import SGLANG_DISPATCH
 
 PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
@@ -88,9 +89,13 @@ TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
     ("hook ovh", 8, "exact_spans_miss_overhead_in_scheduler", ".3f", 100),
     ("sgl-dp", 7, f"{SGLANG_DISPATCH}_ms_p50", ".0f", 1),
     ("sgl-dp hit%", 11, f"{SGLANG_DISPATCH}_hit_rate", ".0f", 100),
+    ("recompute", 13, "exact_spans_recompute", "s", 1),
+    ("recomp%", 7, "exact_spans_recompute_share", ".0f", 100),
+    ("gated", 5, "exact_spans_gate_declines", "d", 1),
 )
 """Console table columns after the row name and context length: (header, width, summary key,
-format, scale: 100 shows a fraction as a percentage)."""
+format, scale: 100 shows a fraction as a percentage). ``exact_spans_recompute`` is not a
+summary key: :func:`console_table` fills it with :func:`recompute_label`."""
 
 TABLE_LEGEND = (
     "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
@@ -99,8 +104,45 @@ TABLE_LEGEND = (
     "ex agree: the same for the exact hit (noise floor); miss ovh:"
     " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
     " during a control probe, % of vanilla cold TTFT; sgl-dp, sgl-dp hit%: TTFT and"
-    f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch)."
+    f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch);"
+    " recompute: the recompute strategy and ratio exact_spans' server resolved (? when it did"
+    " not report them); recomp%: reused positions it recomputed, % of reused + recomputed;"
+    " gated: probes its quality gate declined."
 )
+
+
+def recompute_label(row: Mapping[str, Any], system: str = "exact_spans") -> str | None:
+    """``system``'s resolved recompute strategy and ratio in ``row`` as one short cell, e.g.
+    ``deviation 15%``; ``?`` for a part the server did not report (an older server); None when
+    ``system`` did not run in the row (no ``{system}_recompute_strategy`` key)."""
+    if f"{system}_recompute_strategy" not in row:
+        return None
+    strategy = row.get(f"{system}_recompute_strategy")
+    return f"{strategy or '?'} {ratio_label(row.get(f'{system}_recompute_ratio'))}"
+
+
+def ratio_label(ratio: float | None) -> str:
+    """A recompute ratio as a percentage without trailing zeros (0.05 -> ``5%``, 0.125 ->
+    ``12.5%``); ``?`` for None (not reported)."""
+    return "?" if ratio is None else f"{100 * float(ratio):g}%"
+
+
+def settings_lines(configs: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """One line per semblend system in ``configs`` (system -> the settings its server resolved,
+    :attr:`.e2e_runner.Runner.configs`) naming its :data:`.e2e_summary.RECOMPUTE_SETTINGS`, e.g.
+    ``exact_spans: recompute_strategy=heads recompute_ratio=0.05 ...``; a setting the server did
+    not report shows as ``?``; a server that reported no config (older than the snapshot's
+    ``config``) gets ``{system}: settings not reported``."""
+    lines: list[str] = []
+    for system, config in configs.items():
+        if config is None:
+            lines.append(f"{system}: settings not reported")
+            continue
+        values = " ".join(
+            f"{k}={'?' if config.get(k) is None else config[k]}" for k in RECOMPUTE_SETTINGS
+        )
+        lines.append(f"{system}: {values}")
+    return lines
 
 
 def _cell(value: Any, spec: str, scale: int) -> str:
@@ -118,13 +160,14 @@ def _cell(value: Any, spec: str, scale: int) -> str:
 def console_table(rows: Sequence[dict[str, Any]]) -> str:
     """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
     line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
-    :data:`TABLE_LEGEND`."""
+    :data:`TABLE_LEGEND`. A cell with no value shows ``-``."""
     width = max([18, *(len(row_name(r)) for r in rows)])
     head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
         f" {title:>{w}s}" for title, w, *_ in TABLE_COLUMNS
     )
     lines = [head, "-" * len(head)]
-    for r in rows:
+    for row in rows:
+        r = {**row, "exact_spans_recompute": recompute_label(row)}
         cells = "".join(
             f" {_cell(r.get(key), spec, scale):>{w}s}" for _, w, key, spec, scale in TABLE_COLUMNS
         )

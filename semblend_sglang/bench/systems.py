@@ -43,6 +43,22 @@ SYSTEM_OWNED_ENV = ("SEMBLEND_ENABLED", "SEMBLEND_MODE", "SEMBLEND_DISCOVERY_ONL
 """Variables each system sets itself (--semblend-env may not override them)."""
 
 
+def system_environ(
+    system: str, extra: Sequence[str], semblend_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The variables a started server of ``system`` gets on top of the server environment: the
+    data-parallel CPU binding ``extra`` (its sglang flags) needs, then ``semblend_env``
+    (``--semblend-env``) when ``system`` is a semblend system, then the system's own
+    :data:`SERVER_ENV`, which wins."""
+    from ..server import cpu_dp_environ
+
+    env = cpu_dp_environ(extra)
+    if system in SEMBLEND_SYSTEMS:
+        env.update(semblend_env or {})
+    env.update(SERVER_ENV[system])
+    return env
+
+
 def start_servers(
     systems: Sequence[str],
     model: str,
@@ -50,25 +66,20 @@ def start_servers(
     logs: Path,
     semblend_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Start one SGLang server per system (start-ups overlap), each with ``extra`` flags, the
-    data-parallel CPU binding those flags need, ``semblend_env`` on semblend systems and the
-    system's own :data:`SERVER_ENV` last (it wins); wait until all are healthy. Returns system ->
-    ``SglangServer``; on any failure every started server is stopped and the error re-raised.
-    Logs go to ``logs/e2e-{system}-server.log``."""
-    from ..server import cpu_dp_environ, free_port, start_server
+    """Start one SGLang server per system (start-ups overlap), each with ``extra`` flags and
+    :func:`system_environ` (``semblend_env`` on semblend systems only); wait until all are
+    healthy. Returns system -> ``SglangServer``; on any failure every started server is stopped
+    and the error re-raised. Logs go to ``logs/e2e-{system}-server.log``."""
+    from ..server import free_port, start_server
 
     servers: dict[str, Any] = {}
     try:
         for system in systems:
-            env = cpu_dp_environ(extra)
-            if system in SEMBLEND_SYSTEMS:
-                env.update(semblend_env or {})
-            env.update(SERVER_ENV[system])
             servers[system] = start_server(
                 model,
                 port=free_port(),
                 extra_args=list(extra),
-                env=env,
+                env=system_environ(system, extra, semblend_env),
                 log_path=logs / f"e2e-{system}-server.log",
             )
         for server in servers.values():

@@ -1,0 +1,421 @@
+"""The check layer of a ``deviation`` / ``query`` recompute, inside the model forward.
+
+A batch whose reused positions are selected at a check layer (:data:`.one_pass.CHECK_ATTR`)
+runs dense up to that layer: every position is computed there and its K/V overwrite the
+donor's copy. At the check layer's attention, before it writes, each request's candidates (the
+positions it copied) are scored against the donor K/V still in their slots
+(:mod:`semblend_sglang.recompute`); the unselected ones leave the batch right after the layer,
+so the layers after it compute only the gaps and the selected positions, their donor KV staying
+in the slots. The attention is then a sparse extend (:mod:`.attention`).
+
+This module is the one seam between the recompute and a model's code: it wraps, per model
+instance, each decoder layer's ``forward`` (to pass the shrunk positions and to shrink the
+hidden states after the check layer) and the ``RadixAttention`` of every layer from the check
+layer on. It knows the decoder layers of :data:`KNOWN_MODEL_CLASSES` (``forward(positions,
+hidden_states, forward_batch, ...)`` returning sglang's residual-stream handle, or a
+``(hidden, residual)`` pair); on any other model, pipeline or attention parallelism, or a check
+layer outside the model, :func:`install` logs one line and refuses (plans are then declined as
+``unsupported_model``).
+
+A request whose ``sampling_params.custom_params`` has ``semblend_dense_reference`` true runs
+as the *dense reference* of its selection: it keeps every position in every layer, and in the
+layers after the check layer the K/V of its unselected candidates are replaced by the donor's
+before attention. Its logits equal the sparse run's up to float rounding (tests use it).
+
+If a forward does not match the batch that armed it, nothing is selected: every position is
+computed in every layer (a cold prefill's result), and the mismatch is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from semblend_sglang import recompute
+from semblend_sglang.plan import Reason
+from semblend_sglang.recompute import RecomputeStrategy
+
+from .one_pass import CHECK_ATTR
+from .runtime import SemblendRuntime
+
+logger = logging.getLogger(__name__)
+
+KNOWN_MODEL_CLASSES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+"""Model classes whose decoder layers this seam knows."""
+
+DENSE_REFERENCE_PARAM = "semblend_dense_reference"
+"""``custom_params`` key that makes a request run as the dense reference of its selection."""
+
+_FORWARD_ATTR = "_semblend_forward_check"
+_WRAPPED_ATTR = "_semblend_layer_hook"
+
+
+@dataclass
+class _RequestCheck:
+    index: int
+    rid: str
+    offsets: torch.Tensor
+    final: bool
+    reference: bool
+
+
+@dataclass
+class _ForwardCheck:
+    """One forward's check: armed by ``ForwardBatch.init_new``, bound to the forward whose
+    extend lengths are ``extend_lens``; filled at the check layer."""
+
+    requests: list[_RequestCheck]
+    extend_lens: tuple[int, ...]
+    keep: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    force_rows: torch.Tensor | None = None
+    force_slots: torch.Tensor | None = None
+
+
+class LayerHook:
+    """The check-layer hook of one model instance in one scheduler process.
+
+    :meth:`arm` is called by ``ForwardBatch.init_new`` for a batch with check candidates; the
+    wrapped layers consume it in that batch's forward. Never raises into the forward: an error
+    is :meth:`SemblendRuntime.fail` and leaves the rest of the forward dense (exact)."""
+
+    def __init__(self, runtime: SemblendRuntime, model_runner: Any) -> None:
+        model = model_runner.model
+        layers = model.model.layers
+        self.runtime = runtime
+        self.pool = model_runner.token_to_kv_pool
+        self.check_layer = int(runtime.config.recompute_check_layer)
+        self.strategy = RecomputeStrategy(runtime.config.recompute_strategy)
+        self.start_layer = int(getattr(model.model, "start_layer", 0))
+        self.armed: _ForwardCheck | None = None
+        self._wrapped: list[Any] = []
+        for i, layer in enumerate(layers):
+            self._wrap_layer(i, layer)
+
+    # ------------------------------------------------------------------ arming
+    def arm(self, batch: Any, forward_batch: Any) -> None:
+        """Bind ``batch``'s check candidates to the forward of ``forward_batch`` (the result of
+        ``init_new`` for it). A previous arming that no forward took is dropped."""
+        self.armed = None
+        found = getattr(batch, CHECK_ATTR, None)
+        if not found or not forward_batch.forward_mode.is_extend():
+            return
+        lens = forward_batch.extend_seq_lens_cpu
+        if lens is None:
+            return
+        requests = []
+        for i, req in enumerate(batch.reqs):
+            cand = found.get(req.rid)
+            if cand is not None and cand.offsets.numel():
+                requests.append(
+                    _RequestCheck(i, req.rid, cand.offsets, cand.final, _wants_reference(req))
+                )
+        if requests:
+            self.armed = _ForwardCheck(requests, tuple(int(x) for x in lens))
+
+    def _take(self, forward_batch: Any, layer: int) -> _ForwardCheck | None:
+        check: _ForwardCheck | None = forward_batch.__dict__.get(_FORWARD_ATTR)
+        if check is not None or layer != self.start_layer or self.armed is None:
+            return check
+        armed, self.armed = self.armed, None
+        lens = forward_batch.extend_seq_lens_cpu
+        if lens is None or tuple(int(x) for x in lens) != armed.extend_lens:
+            self.runtime.fail(
+                "check_layer", RuntimeError("the forward is not the batch that armed the check")
+            )
+            return None
+        setattr(forward_batch, _FORWARD_ATTR, armed)
+        return armed
+
+    # ------------------------------------------------------------------ wrappers
+    def _wrap_layer(self, index: int, layer: Any) -> None:
+        orig = layer.forward
+        hook = self
+
+        def forward(
+            positions: Any, hidden_states: Any, forward_batch: Any, *args: Any, **kw: Any
+        ) -> Any:
+            check = hook._take(forward_batch, index)
+            if check is None:
+                return orig(positions, hidden_states, forward_batch, *args, **kw)
+            if check.positions is not None:
+                positions = check.positions
+            out = orig(positions, hidden_states, forward_batch, *args, **kw)
+            if index == hook.check_layer and check.keep is not None:
+                out = hook.runtime.guarded(
+                    "check_layer", None, out, hook._shrink, out, positions, forward_batch, check
+                )
+            return out
+
+        layer.forward = forward
+        self._wrapped.append(layer)
+        if index < self.check_layer:
+            return
+        attn = _radix_attention(layer)
+        attn_orig = attn.forward
+
+        def attn_forward(q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
+            check = forward_batch.__dict__.get(_FORWARD_ATTR)
+            if check is not None and k is not None:
+                if index == hook.check_layer and check.keep is None:
+                    hook.runtime.guarded(
+                        "check_layer",
+                        None,
+                        None,
+                        hook._select,
+                        attn,
+                        q,
+                        k,
+                        v,
+                        forward_batch,
+                        check,
+                    )
+                elif index > hook.check_layer and check.force_rows is not None:
+                    k, v = hook._force(attn, k, v, forward_batch, check)
+            return attn_orig(q, k, v, forward_batch, *args, **kw)
+
+        attn.forward = attn_forward
+        self._wrapped.append(attn)
+
+    def remove(self) -> None:
+        """Restore every wrapped module's own ``forward``."""
+        for module in self._wrapped:
+            module.__dict__.pop("forward", None)
+        self._wrapped.clear()
+
+    # ------------------------------------------------------------------ the check
+    def _select(
+        self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
+    ) -> None:
+        """Score each request's candidates at the check layer (before it writes its K/V),
+        select, report to the runtime and set ``check.keep`` (and the reference rows)."""
+        config = self.runtime.config
+        n = int(k.shape[0])
+        k3 = k.reshape(n, attn.tp_k_head_num, -1)
+        v3 = v.reshape(n, attn.tp_v_head_num, -1)
+        k_pool = self.pool.get_key_buffer(attn.layer_id)
+        v_pool = self.pool.get_value_buffer(attn.layer_id)
+        device = k.device
+        starts = [0]
+        for length in check.extend_lens[:-1]:
+            starts.append(starts[-1] + length)
+        keep = torch.ones(n, dtype=torch.bool, device=device)
+        forced: list[torch.Tensor] = []
+        reports = []
+        for rc in check.requests:
+            rows = (starts[rc.index] + rc.offsets).to(device)
+            slots = forward_batch.out_cache_loc[rows]
+            diff, norm = recompute.kv_deviation(k3[rows], v3[rows], k_pool[slots], v_pool[slots])
+            deviation = recompute.relative(diff, norm)
+            scores = deviation
+            if self.strategy is RecomputeStrategy.QUERY:
+                tail = _tail_rows(starts[rc.index], check.extend_lens[rc.index], rc.offsets)
+                q3 = q.reshape(n, attn.tp_q_head_num, -1)
+                scores = recompute.query_attention(
+                    q3[tail.to(device)], k3[rows], float(attn.scaling)
+                )
+            selection = recompute.select(
+                scores, deviation, config.recompute_ratio, config.quality_gate
+            )
+            dropped = torch.ones(rows.numel(), dtype=torch.bool, device=device)
+            dropped[selection.recompute] = False
+            if rc.reference:
+                forced.append(rows[dropped])
+            else:
+                keep[rows[dropped]] = False
+            reports.append((rc, int(selection.recompute.numel()), selection))
+        check.keep = keep
+        if forced:
+            rows = torch.cat(forced)
+            check.force_slots = forward_batch.out_cache_loc[rows]
+            check.force_rows = torch.cumsum(keep.to(torch.int64), 0)[rows] - 1
+        for rc, count, selection in reports:
+            self.runtime.checked(
+                rc.rid, count, selection.gated, selection.residual_deviation, rc.final
+            )
+
+    def _shrink(
+        self, out: Any, positions: torch.Tensor, forward_batch: Any, check: _ForwardCheck
+    ) -> Any:
+        """After the check layer: drop the unselected candidates from the hidden states and
+        the forward batch; later layers get ``check.positions``."""
+        keep = check.keep
+        assert keep is not None
+        if bool(keep.all()):
+            return out
+        index = torch.nonzero(keep).flatten()
+        out = _shrink_hidden(out, index, forward_batch)
+        counts = []
+        start = 0
+        for length in check.extend_lens:
+            counts.append(int(keep[start : start + length].sum()))
+            start += length
+        _shrink_batch(forward_batch, index, positions, check.extend_lens, counts)
+        check.positions = forward_batch.positions
+        backend = getattr(forward_batch, "attn_backend", None)
+        if backend is not None:
+            backend.init_forward_metadata(forward_batch)
+        return out
+
+    def _force(
+        self, attn: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
+    ) -> tuple[Any, Any]:
+        """Dense reference: the unselected candidates' K/V become the donor's in the slots."""
+        assert check.force_rows is not None and check.force_slots is not None
+        pool = self.pool
+        n = int(k.shape[0])
+        k3 = k.reshape(n, attn.tp_k_head_num, -1).clone()
+        v3 = v.reshape(n, attn.tp_v_head_num, -1).clone()
+        k3[check.force_rows] = pool.get_key_buffer(attn.layer_id)[check.force_slots].to(k3.dtype)
+        v3[check.force_rows] = pool.get_value_buffer(attn.layer_id)[check.force_slots].to(v3.dtype)
+        return k3.reshape(k.shape), v3.reshape(v.shape)
+
+
+# -------------------------------------------------------------------------- helpers
+def _wants_reference(req: Any) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and bool(params.get(DENSE_REFERENCE_PARAM))
+
+
+def _radix_attention(layer: Any) -> Any:
+    found = [m for m in layer.modules() if type(m).__name__ == "RadixAttention"]
+    if len(found) != 1:
+        raise TypeError(f"{type(layer).__name__} has {len(found)} RadixAttention modules")
+    return found[0]
+
+
+def _tail_rows(start: int, length: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The last :data:`~semblend_sglang.recompute.QUERY_TAIL_TOKENS` rows of a request's
+    segment that are not candidates (the prompt's own tail)."""
+    mine = torch.ones(length, dtype=torch.bool)
+    mine[offsets] = False
+    rows = torch.nonzero(mine).flatten()[-recompute.QUERY_TAIL_TOKENS :]
+    return rows + start
+
+
+def _shrink_hidden(out: Any, index: torch.Tensor, forward_batch: Any) -> Any:
+    """``out`` (a layer's output) restricted to the rows ``index``."""
+    if isinstance(out, tuple):
+        hidden, residual = out[0], out[1]
+        return (hidden[index], None if residual is None else residual[index], *out[2:])
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+    value = residual_batch.complete_output(out, forward_batch)
+    handoff = residual_batch.export_replay_handoff(value, forward_batch)
+    shrunk = residual_batch.ReplayHandoff(
+        handoff.value[index],
+        None if handoff.residual is None else handoff.residual[index],
+        handoff.update,
+        handoff.written,
+    )
+    return residual_batch.import_replay_handoff(shrunk, forward_batch)
+
+
+def _shrink_batch(
+    forward_batch: Any,
+    index: torch.Tensor,
+    positions: torch.Tensor,
+    old: tuple[int, ...],
+    new: list[int],
+) -> None:
+    """Restrict the forward batch's per-token fields to ``index``; per-request lengths become
+    ``new`` (from ``old``)."""
+    fb = forward_batch
+    total = sum(new)
+    fb.positions = positions[index]
+    fb.out_cache_loc = fb.out_cache_loc[index]
+    if fb.input_ids is not None and int(fb.input_ids.shape[0]) == sum(old):
+        fb.input_ids = fb.input_ids[index]
+    device = fb.extend_seq_lens.device
+    dtype = fb.extend_seq_lens.dtype
+    fb.extend_seq_lens = torch.tensor(new, dtype=dtype, device=device)
+    fb.extend_seq_lens_cpu = list(new)
+    fb.extend_num_tokens = total
+    if fb.extend_start_loc is not None:
+        starts = torch.zeros(len(new), dtype=fb.extend_start_loc.dtype)
+        if len(new) > 1:
+            starts[1:] = torch.cumsum(torch.tensor(new[:-1]), 0)
+        fb.extend_start_loc = starts.to(fb.extend_start_loc.device)
+    if fb.extend_logprob_start_lens_cpu is not None:
+        fb.extend_logprob_start_lens_cpu = [
+            n - (o - s) for n, o, s in zip(new, old, fb.extend_logprob_start_lens_cpu, strict=True)
+        ]
+    for name in ("num_token_non_padded", "global_num_token_non_padded"):
+        value = getattr(fb, name, None)
+        if isinstance(value, torch.Tensor):
+            value.fill_(total)
+    if isinstance(getattr(fb, "global_num_token_non_padded_cpu", None), int):
+        fb.global_num_token_non_padded_cpu = total
+
+
+def refusal(model_runner: Any, check_layer: int) -> str | None:
+    """Why the model of ``model_runner`` cannot take the check-layer hook, or None."""
+    model = getattr(model_runner, "model", None)
+    name = type(model).__name__
+    if name not in KNOWN_MODEL_CLASSES:
+        return f"model class {name} is not one the check-layer hook knows"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return f"{name} has no model.layers"
+    start = int(getattr(model.model, "start_layer", 0))
+    end = int(getattr(model.model, "end_layer", len(layers)))
+    if start != 0 or end != len(layers):
+        return "pipeline parallelism splits the layers"
+    if not 0 <= check_layer < end - 1:
+        return f"recompute_check_layer {check_layer} is not below the last layer ({end - 1})"
+    server_args = getattr(model_runner, "server_args", None)
+    if getattr(server_args, "enable_dp_attention", False):
+        return "data-parallel attention"
+    for arg in ("tp_size", "attn_cp_size", "dcp_size"):
+        if int(getattr(server_args, arg, 1) or 1) > 1:
+            return f"--{arg.replace('_', '-')} > 1 (ranks would score different heads)"
+    return None
+
+
+def model_runner_of(scheduler: Any) -> Any:
+    """The model runner of a scheduler (``tp_worker.model_runner``, or the legacy
+    ``tp_worker.worker.model_runner``), or None."""
+    worker = getattr(scheduler, "tp_worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        runner = getattr(getattr(worker, "worker", None), "model_runner", None)
+    return runner
+
+
+def install(runtime: SemblendRuntime, model_runner: Any) -> LayerHook | None:
+    """Scheduler start: wrap the served model's layers when the configured strategy selects
+    at a check layer, and set :attr:`SemblendRuntime.layer_check`. On a model this seam does
+    not take, one warning names why, ``layer_check`` is False and None is returned."""
+    if not RecomputeStrategy(runtime.config.recompute_strategy).uses_check_layer:
+        return None
+    model = getattr(model_runner, "model", None)
+    if model is not None and getattr(model, _WRAPPED_ATTR, None) is not None:
+        hook: LayerHook = getattr(model, _WRAPPED_ATTR)
+        runtime.layer_check = True
+        runtime.check_hook = hook
+        return hook
+    reason = refusal(model_runner, int(runtime.config.recompute_check_layer))
+    if reason is None:
+        try:
+            hook = LayerHook(runtime, model_runner)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        runtime.layer_check = False
+        logger.warning(
+            "semblend: recompute_strategy=%s needs the check-layer hook, which refuses this "
+            "model (%s); every plan is declined as %s",
+            runtime.config.recompute_strategy,
+            reason,
+            Reason.UNSUPPORTED_MODEL,
+        )
+        return None
+    object.__setattr__(model, _WRAPPED_ATTR, hook)
+    runtime.layer_check = True
+    runtime.check_hook = hook
+    return hook

@@ -1,0 +1,146 @@
+"""The reuse state of one request: its plan, how far it was materialized, and what of it was
+recomputed. Owned by :class:`~.runtime.SemblendRuntime`; transitions are methods."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from semblend_sglang.align import Span
+from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import ReusePlan
+
+
+class ReuseState(enum.Enum):
+    """Where a request's reuse plan stands. Transitions are :class:`RequestReuse` methods.
+
+    ``PLANNED`` (looked up, nothing copied) -> ``LOADING`` (spans inside the prefill chunks run
+    so far were copied; later chunks may copy more) -> ``MATERIALIZED`` (no further span is
+    copied; the outcome is recorded). A plan that is declined or fails leaves the runtime.
+    """
+
+    PLANNED = "planned"
+    LOADING = "loading"
+    MATERIALIZED = "materialized"
+
+
+@dataclass
+class RequestReuse:
+    """The reuse plan of one request and how far it got; owned by :class:`SemblendRuntime`.
+
+    ``spans`` are in target order, ``donors[i]`` is span ``i``'s donor; ``heads[i]`` leading
+    tokens of span ``i`` are recomputed instead of copied (``heads`` strategy; empty: none).
+    ``handled_to``: target positions below it were offered for reuse already (copied or
+    computed), so a later prefill chunk never copies them again. Once any KV was copied
+    (``reused_any``) nothing from ``publish_cap`` (the first copied position) on may be
+    published into the exact cache, even where a check later recomputed it.
+    """
+
+    rid: str
+    namespace: Namespace
+    plan: ReusePlan
+    spans: tuple[Span, ...]
+    donors: tuple[Hashable, ...]
+    heads: tuple[int, ...] = ()
+    state: ReuseState = ReuseState.PLANNED
+    handled_to: int = 0
+    reused_total: int = 0
+    """Tokens whose donor KV is kept so far, over all spans (copied, less what a check layer
+    recomputed)."""
+    recomputed: int = 0
+    """Reused positions recomputed instead (span heads, or selected at a check layer)."""
+    gated: bool = False
+    """The quality gate refused a chunk's reuse at its check layer."""
+    loaded_pieces: tuple[tuple[Span, Hashable], ...] = ()
+    """Every (span part, donor) copied so far, in copy order."""
+    first_loaded: int | None = None
+
+    @property
+    def spans_loaded(self) -> int:
+        """Span parts copied so far (a span split by a prefill chunk counts once per part)."""
+        return len(self.loaded_pieces)
+
+    @property
+    def donors_loaded(self) -> frozenset[Hashable]:
+        """Donors whose KV was copied."""
+        return frozenset(d for _, d in self.loaded_pieces)
+
+    # ------------------------------------------------------------- reading
+    @property
+    def publish_cap(self) -> int:
+        """The request publishes nothing from here on once it reused KV: the first copied
+        position (the first span's start before anything was copied)."""
+        return self.spans[0].target_start if self.first_loaded is None else self.first_loaded
+
+    @property
+    def reused_any(self) -> bool:
+        """True once at least one span's KV was copied into the request's slots."""
+        return self.first_loaded is not None
+
+    @property
+    def open(self) -> bool:
+        """True while a later prefill chunk may still copy spans (PLANNED or LOADING)."""
+        return self.state in (ReuseState.PLANNED, ReuseState.LOADING)
+
+    def pieces_within(self, lo: int, hi: int) -> list[tuple[Span, Hashable]]:
+        """The parts of not yet handled spans inside target positions [lo, hi), with donors."""
+        lo = max(lo, self.handled_to)
+        out: list[tuple[Span, Hashable]] = []
+        for i, (span, donor) in enumerate(zip(self.spans, self.donors, strict=True)):
+            head = self.heads[i] if self.heads else 0
+            a = max(span.target_start + head, lo)
+            b = min(span.target_end, hi)
+            if b > a:
+                out.append((Span(a, span.donor_start + a - span.target_start, b - a), donor))
+        return out
+
+    # ------------------------------------------------------------- transitions
+    def loaded(self, pieces: list[tuple[Span, Hashable]], handled_to: int) -> None:
+        """PLANNED/LOADING -> LOADING: ``pieces`` were copied into the request's slots;
+        target positions below ``handled_to`` are done with."""
+        self._expect(ReuseState.PLANNED, ReuseState.LOADING)
+        self.state = ReuseState.LOADING
+        self._handle(handled_to)
+        for span, _ in pieces:
+            if self.first_loaded is None or span.target_start < self.first_loaded:
+                self.first_loaded = span.target_start
+            self.reused_total += span.length
+        self.loaded_pieces = self.loaded_pieces + tuple(pieces)
+
+    def skipped(self, handled_to: int) -> None:
+        """Target positions below ``handled_to`` were computed, nothing copied (state kept)."""
+        self._expect(ReuseState.PLANNED, ReuseState.LOADING)
+        self._handle(handled_to)
+
+    def _handle(self, handled_to: int) -> None:
+        """Advance ``handled_to``; the span heads passed are counted as recomputed."""
+        self.recomputed += self.heads_within(self.handled_to, handled_to)
+        self.handled_to = max(self.handled_to, handled_to)
+
+    def heads_within(self, lo: int, hi: int) -> int:
+        """Positions of span heads (recomputed by the ``heads`` strategy) inside [lo, hi) not
+        yet handled."""
+        if not self.heads:
+            return 0
+        lo = max(lo, self.handled_to)
+        return sum(
+            max(0, min(span.target_start + head, hi) - max(span.target_start, lo))
+            for span, head in zip(self.spans, self.heads, strict=True)
+        )
+
+    def checked(self, recomputed: int, gated: bool) -> None:
+        """LOADING/MATERIALIZED: a check layer recomputed ``recomputed`` of the positions
+        copied in a chunk (all of them when ``gated``); their donor KV is no longer used."""
+        self._expect(ReuseState.LOADING, ReuseState.MATERIALIZED)
+        self.reused_total -= recomputed
+        self.recomputed += recomputed
+        self.gated = self.gated or gated
+
+    def complete(self) -> None:
+        """-> MATERIALIZED: no further span is copied (terminal while the request lives)."""
+        self.state = ReuseState.MATERIALIZED
+
+    def _expect(self, *allowed: ReuseState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(f"reuse of {self.rid}: {self.state.value} is not one of {allowed}")

@@ -1,0 +1,81 @@
+"""``bench table E2E.json ...``: the exact_spans rows of several e2e reports as one markdown
+table, one line per report and row, sorted so that each workload's recompute strategies and
+ratios sit together (docs/perf.md's strategy × ratio × workload table: one e2e run per setting,
+e.g. ``--semblend-env SEMBLEND_RECOMPUTE_STRATEGY=heads --semblend-env
+SEMBLEND_RECOMPUTE_RATIO=0.05``). Strategy and ratio are what each run's server resolved (the
+rows' ``exact_spans_recompute_strategy`` and ``_ratio``, JSON schema 4); a report without them
+(schema 3) shows ``?``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .e2e_summary import row_name
+from .report import ratio_label
+
+MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("cold", "cold_ms_p50", ",.0f"),
+    ("exact hit, same length", "exact_same_length_ms_p50", ",.0f"),
+    ("exact_spans", "exact_spans_ms_p50", ",.0f"),
+    ("spans / exact", "exact_spans_over_exact", ".2f"),
+    ("hit (server)", "exact_spans_hit_rate", ".0%"),
+    ("reused", "exact_spans_reused_fraction", ".0%"),
+    ("recomputed", "exact_spans_recompute_share", ".0%"),
+    ("gate declines", "exact_spans_gate_declines", "d"),
+    ("greedy agree (hits)", "exact_spans_greedy_agreement_hits", ".2f"),
+    ("PPL ratio", "exact_spans_ppl_ratio", ".3f"),
+)
+"""Columns after strategy, ratio, workload and context length: (header, summary key, format).
+TTFT p50 in ms; ``recomputed``: share of reused + recomputed tokens."""
+
+
+def _cell(value: Any, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
+    """One markdown table of the summary rows of ``reports`` (parsed e2e JSON files) in which
+    exact_spans ran: strategy, ratio (as its server resolved them; ``?`` when not reported),
+    row name (:func:`.e2e_summary.row_name`), context length, then :data:`MARKDOWN_COLUMNS`
+    (``—`` for a missing value). Sorted by context length, row name, strategy, then ratio; a
+    header line only when no report has such a row."""
+    rows = [
+        row
+        for report in reports
+        for row in report.get("summary", [])
+        if "exact_spans_hit_rate" in row
+    ]
+
+    def order(row: Mapping[str, Any]) -> tuple[Any, ...]:
+        ratio = row.get("exact_spans_recompute_ratio")
+        strategy = row.get("exact_spans_recompute_strategy") or ""
+        return (row["context_tokens"], row_name(row), strategy, ratio is None, ratio or 0.0)
+
+    head = ["strategy", "ratio", "workload", "ctx", *(h for h, *_ in MARKDOWN_COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in sorted(rows, key=order):
+        cells = [
+            row.get("exact_spans_recompute_strategy") or "?",
+            ratio_label(row.get("exact_spans_recompute_ratio")),
+            row_name(row),
+            str(row["context_tokens"]),
+            *(_cell(row.get(key), spec) for _, key, spec in MARKDOWN_COLUMNS),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@click.command("table")
+@click.argument(
+    "reports", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+def command(reports: tuple[Path, ...]) -> None:
+    """Print the exact_spans rows of e2e JSON REPORTS as one markdown table: recompute strategy
+    × ratio × workload (TTFT, hits, recompute, gate declines, agreement, PPL ratio)."""
+    click.echo(markdown_table([json.loads(path.read_text()) for path in reports]))
