@@ -23,6 +23,7 @@ SERIES = {
     "reused_tokens": "semblend_reused_tokens_total",
     "reused_spans": "semblend_reused_spans_total",
     "reused_donors": "semblend_reused_donors_total",
+    "recomputed_tokens": "semblend_recomputed_tokens_total",
     "lookup_seconds": "semblend_lookup_seconds",
     "hook_seconds": "semblend_hook_seconds",
     "donors": "semblend_donors",
@@ -75,6 +76,12 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
             "reused_donors": Counter(
                 "semblend_reused_donors",
                 "Donors used (a materialized request counts each distinct donor it read).",
+                registry=reg,
+            ),
+            "recomputed_tokens": Counter(
+                "semblend_recomputed_tokens",
+                "Reused positions recomputed instead of read from the donor (recompute budget, "
+                "quality gate).",
                 registry=reg,
             ),
             "lookup_seconds": Histogram(
@@ -133,6 +140,7 @@ class Telemetry:
         self._reused_spans = 0
         self._reused_donors = 0
         self._multi_donor_requests = 0
+        self._recomputed_tokens = 0
         self._lookups = 0
         self._lookup_seconds = 0.0
         self._hook_calls = 0
@@ -174,6 +182,13 @@ class Telemetry:
                 self._metrics["reused_spans"].inc(int(spans))
                 self._metrics["reused_donors"].inc(int(donors))
 
+    def observe_recomputed(self, tokens: int) -> None:
+        """Count ``tokens`` reused positions recomputed (the engine adapter, per chunk)."""
+        with self._lock:
+            self._recomputed_tokens += int(tokens)
+        if self._metrics is not None and tokens:
+            self._metrics["recomputed_tokens"].inc(int(tokens))
+
     def observe_lookup(self, seconds: float) -> None:
         """Record one (uncached) lookup's latency."""
         with self._lock:
@@ -212,8 +227,8 @@ class Telemetry:
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict copy of this object's counts: outcomes, declined reasons, reused tokens,
-        spans and donors (and requests that read more than one donor), lookups, mean lookup
-        milliseconds, hook calls and seconds, donors, errors."""
+        spans and donors (and requests that read more than one donor), recomputed tokens,
+        lookups, mean lookup milliseconds, hook calls and seconds, donors, errors."""
         with self._lock:
             return {
                 "outcomes": dict(self._outcomes),
@@ -222,6 +237,7 @@ class Telemetry:
                 "reused_spans": self._reused_spans,
                 "reused_donors": self._reused_donors,
                 "multi_donor_requests": self._multi_donor_requests,
+                "recomputed_tokens": self._recomputed_tokens,
                 "requests": sum(self._outcomes.values()),
                 "lookups": self._lookups,
                 "lookup_ms_mean": (1000.0 * self._lookup_seconds / self._lookups)

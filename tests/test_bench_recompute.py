@@ -22,6 +22,7 @@ from semblend_sglang.bench.e2e_runner import (
     Runner,
     counter_delta,
     declined_reasons,
+    residual_delta,
 )
 from semblend_sglang.bench.e2e_summary import RECOMPUTE_SETTINGS, summarize
 from semblend_sglang.bench.e2e_table import command as table_command
@@ -33,7 +34,6 @@ from semblend_sglang.bench.systems import (
     system_environ,
 )
 from semblend_sglang.bench.workloads import BenchRequest, RequestGroup, Workload
-from semblend_sglang.config import FIELDS_BY_ENV
 
 SHARED = tuple(range(1000, 1200))
 """200 tokens every probe shares with its group's donor: reused behind a different head."""
@@ -72,6 +72,15 @@ def test_counter_delta_and_declined_reasons() -> None:
     assert counter_delta(None, before, "reused_tokens") == 0
     assert declined_reasons("declined:no_donor,quality_gate") == {"no_donor", "quality_gate"}
     assert declined_reasons("materialized") == frozenset() and declined_reasons(None) == frozenset()
+
+
+def test_residual_delta_is_the_mean_over_the_checks_run_between_snapshots() -> None:
+    before = {"recompute_checks": 3, "recompute_residual_deviation_sum": 0.5}
+    after = {"recompute_checks": 5, "recompute_residual_deviation_sum": 0.9}
+    assert residual_delta(before, after) == pytest.approx(0.2)
+    assert residual_delta(before, before) is None  # no check ran
+    assert residual_delta(None, after) is None
+    assert residual_delta({}, {}) is None  # a server without the counters
 
 
 def test_client_reads_the_resolved_config_beside_the_counters() -> None:
@@ -191,10 +200,6 @@ def test_semblend_env_reaches_the_semblend_servers_only() -> None:
     )
 
 
-@pytest.mark.skipif(
-    "SEMBLEND_RECOMPUTE_STRATEGY" not in FIELDS_BY_ENV,
-    reason="the recompute settings are not Config fields on this branch yet",
-)
 def test_semblend_env_accepts_the_recompute_settings() -> None:
     values = [
         "SEMBLEND_RECOMPUTE_STRATEGY=heads",

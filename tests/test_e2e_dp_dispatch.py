@@ -87,8 +87,10 @@ def _materialized(url: str) -> int:
 
 
 def _reused(url: str) -> int:
-    """Tokens the schedulers reused so far (SGLang's ``cached_tokens`` counts exact hits only)."""
-    return int(_totals(url)["reused_tokens"])
+    """Tokens the schedulers copied from donors so far, kept or recomputed by the recompute
+    budget (SGLang's ``cached_tokens`` counts exact hits only)."""
+    total = _totals(url)
+    return int(total["reused_tokens"]) + int(total.get("recomputed_tokens", 0))
 
 
 def _cached(answer: dict[str, Any]) -> int:

@@ -50,12 +50,10 @@ class HeldDonorCounts:
 class RecomputeCounts:
     """Counters of the recompute budget (process lifetime).
 
-    ``tokens``: reused positions recomputed (span heads, or selected at a check layer);
     ``checks``: request chunks that reached a check layer; ``gated``: of those, refused by the
     quality gate; ``residual_deviation_sum``: the sum over checks of the mean relative K/V
     deviation left unrecomputed by the budget (divide by ``checks`` for the mean)."""
 
-    tokens: int = 0
     checks: int = 0
     gated: int = 0
     residual_deviation_sum: float = 0.0
@@ -122,7 +120,6 @@ class SemblendRuntime:
         snap["unsupported_options"] = list(self.refused)
         snap["held_donors"] = dataclasses.asdict(self.held)
         snap["evicted_donors"] = self.evicted_donors
-        snap["recomputed_tokens"] = self.recompute.tokens
         snap["recompute_checks"] = self.recompute.checks
         snap["recompute_gated"] = self.recompute.gated
         snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
@@ -252,13 +249,13 @@ class SemblendRuntime:
 
     def count_recomputed(self, tokens: int) -> None:
         """``tokens`` reused positions were recomputed by the scheduler (span heads)."""
-        self.recompute.tokens += tokens
+        self.provider.telemetry.observe_recomputed(tokens)
 
     def checked(self, rid: str, recomputed: int, gated: bool, residual: float, final: bool) -> None:
         """A check layer recomputed ``recomputed`` of the positions ``rid`` copied in this chunk
         (``gated``: all, by the quality gate; ``residual``: the mean deviation the budget left).
         ``final``: the chunk ends the prompt, so the outcome is recorded now."""
-        self.recompute.tokens += recomputed
+        self.provider.telemetry.observe_recomputed(recomputed)
         self.recompute.checks += 1
         self.recompute.gated += int(gated)
         self.recompute.residual_deviation_sum += residual

@@ -49,6 +49,10 @@ class ProbeRecord:
     """Semblend servers: reused positions the server recomputed during the probe (the recompute
     budget, or all of them when the quality gate declined); 0 from a server without the
     ``recomputed_tokens`` counter."""
+    residual_deviation: float | None = None
+    """Semblend servers with a check-layer strategy: the mean relative K/V deviation the
+    recompute budget left unrecomputed at the check layer (the quality gate's signal); None
+    when the probe reached no check layer."""
     hook_ms: float | None = None
     """Semblend servers: the scheduler's time in semblend's hooks during the probe."""
     output_ids: list[int] = field(default_factory=list)
@@ -72,6 +76,17 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, k
     if before is None or after is None:
         return 0
     return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def residual_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
+    """The mean residual deviation of the check layers run between two ``/semblend/snapshot``
+    totals (``recompute_residual_deviation_sum`` over ``recompute_checks``); None when no
+    check ran or a snapshot is None."""
+    checks = counter_delta(before, after, "recompute_checks")
+    if checks <= 0 or before is None or after is None:
+        return None
+    key = "recompute_residual_deviation_sum"
+    return (float(after.get(key, 0.0)) - float(before.get(key, 0.0))) / checks
 
 
 def declined_reasons(outcome: str | None) -> frozenset[str]:
@@ -193,6 +208,7 @@ class Runner:
                     outcome=outcome,
                     reused_tokens=reused,
                     recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
+                    residual_deviation=residual_delta(before, after),
                     hook_ms=hook_ms_delta(before, after),
                 )
                 rec.reference_logprobs = self._reference(client, probe)

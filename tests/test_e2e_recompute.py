@@ -1,0 +1,158 @@
+"""End to end: the recompute budget and the quality gate in the real SGLang 0.5.23 server on CPU
+with the real SmolLM2 model.
+
+- A ``deviation`` selection (sparse after the check layer) answers like its dense reference:
+  the same request run with every position computed and the unselected reused positions' K/V
+  forced to the donor's (``custom_params={"semblend_dense_reference": true}``).
+- A quality gate that refuses every reuse (threshold below any deviation) recomputes everything:
+  the answer equals a cold prefill's, and the request is counted ``declined:quality_gate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from semblend_sglang.bench.client import flush_cache
+from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+
+pytestmark = pytest.mark.e2e
+
+DONOR_HEAD = "Summarize the following essay in three sentences.\n\n"
+TARGET_HEAD = "Read the essay below carefully and list the author's main arguments.\n\n"
+LOGPROB_TOLERANCE = 2e-3
+"""float32 rounding of the same attention computed by two paths (query-only vs full rows)."""
+
+
+def _server(model: Path, log: Path, env: dict[str, str]) -> SglangServer:
+    srv = start_server(model, port=free_port(), env={"SEMBLEND_ENABLED": "1", **env}, log_path=log)
+    srv.wait_healthy(timeout=600)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def deviation_server(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangServer]:
+    log = tmp_path_factory.mktemp("recompute-deviation") / "server.log"
+    env = {"SEMBLEND_RECOMPUTE_STRATEGY": "deviation", "SEMBLEND_RECOMPUTE_RATIO": "0.3"}
+    srv = _server(smollm2_model_dir, log, env)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def gated_server(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangServer]:
+    log = tmp_path_factory.mktemp("recompute-gate") / "server.log"
+    env = {
+        "SEMBLEND_RECOMPUTE_STRATEGY": "query",
+        "SEMBLEND_RECOMPUTE_RATIO": "0.15",
+        "SEMBLEND_QUALITY_GATE": "1e-12",
+    }
+    srv = _server(smollm2_model_dir, log, env)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer: Any, essay_texts: list[str]) -> tuple[list[int], list[int]]:
+    """(donor, target): two instructions in front of the same 900-token essay passage."""
+    enc = smollm2_tokenizer.encode
+    doc = enc(essay_texts[3], add_special_tokens=False)[:900]
+    assert len(doc) == 900
+    donor = enc(DONOR_HEAD, add_special_tokens=False) + doc
+    target = (
+        enc(TARGET_HEAD, add_special_tokens=False)
+        + doc
+        + enc("\n\nArguments:\n1.", add_special_tokens=False)
+    )
+    return donor, target
+
+
+def _generate(
+    url: str, ids: list[int], n: int = 12, *, reference: bool = False, salt: str | None = None
+) -> tuple[list[int], list[float]]:
+    params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0}
+    if reference:
+        params["custom_params"] = {"semblend_dense_reference": True}
+    payload: dict[str, Any] = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+    if salt is not None:
+        payload["cache_salt"] = salt
+    out = http_json(url + "/generate", payload)
+    logprobs = [float(entry[0]) for entry in out["meta_info"]["output_token_logprobs"]]
+    return list(out["output_ids"]), logprobs
+
+
+def _total(url: str) -> dict[str, Any]:
+    total: dict[str, Any] = http_json(url + "/semblend/snapshot")["total"]
+    return total
+
+
+def _after_fresh_donor(url: str, donor: list[int]) -> dict[str, Any]:
+    """Flush the server's cache, prefill the donor again, return the counters."""
+    flush_cache(url)
+    _generate(url, donor, 1)
+    return _total(url)
+
+
+def _assert_same_answer(
+    got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]
+) -> None:
+    assert got[0] == want[0]
+    worst = max(abs(a - b) for a, b in zip(got[1], want[1], strict=True))
+    assert worst <= LOGPROB_TOLERANCE, (worst, got[1], want[1])
+
+
+def test_a_deviation_selection_answers_like_its_dense_reference(
+    deviation_server: SglangServer, prompts: tuple[list[int], list[int]]
+) -> None:
+    url = deviation_server.url
+    donor, target = prompts
+    before = _after_fresh_donor(url, donor)
+    sparse = _generate(url, target)
+    after = _total(url)
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1
+    kept = after["reused_tokens"] - before["reused_tokens"]
+    recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
+    assert after["recompute_checks"] == before["recompute_checks"] + 1
+    assert kept >= 500 and recomputed >= 0.29 * (kept + recomputed), (kept, recomputed)
+
+    before = _after_fresh_donor(url, donor)
+    dense = _generate(url, target, reference=True)
+    after = _total(url)
+    assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
+    _assert_same_answer(sparse, dense)
+
+
+def test_a_gate_that_refuses_recomputes_everything_and_answers_like_cold(
+    gated_server: SglangServer, prompts: tuple[list[int], list[int]]
+) -> None:
+    url = gated_server.url
+    donor, target = prompts
+    before = _after_fresh_donor(url, donor)
+    gated = _generate(url, target)
+    after = _total(url)
+    assert after["declined"].get("quality_gate", 0) == before["declined"].get("quality_gate", 0) + 1
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"]
+    assert after["recompute_gated"] == before["recompute_gated"] + 1
+    assert after["reused_tokens"] == before["reused_tokens"]
+    assert after["recomputed_tokens"] - before["recomputed_tokens"] >= 800
+    cold = _generate(url, target, salt="cold")
+    _assert_same_answer(gated, cold)
+    # the gated request published nothing from its first copied position on: a repeat is not
+    # an exact hit of its KV
+    repeat = http_json(
+        url + "/generate",
+        {"input_ids": target, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+    )
+    assert repeat["meta_info"]["cached_tokens"] < 50
+    assert gated_server.alive()

@@ -1,0 +1,119 @@
+"""The recompute selection (semblend_sglang.recompute) against plain-loop references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from semblend_sglang import recompute
+from semblend_sglang.recompute import RecomputeStrategy
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.15, 0.3, 0.999, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_head_lengths_spend_the_budget_alike_on_every_span(ratio: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [
+        int(x)
+        for x in torch.randint(1, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+    ]
+    heads = recompute.head_lengths(lengths, ratio)
+    budget = recompute.budget(sum(lengths), ratio)
+    assert len(heads) == len(lengths)
+    assert all(0 <= h <= n for h, n in zip(heads, lengths, strict=True))
+    assert budget <= sum(heads) < budget + len(lengths)
+    if budget:
+        k = max(heads)  # every span not exhausted takes the same k
+        assert all(h == k or h == n for h, n in zip(heads, lengths, strict=True))
+        smaller = sum(min(k - 1, n) for n in lengths)
+        assert smaller < budget  # k is the smallest share that reaches the budget
+    else:
+        assert sum(heads) == 0
+
+
+def test_budget_rounds_up_and_is_capped() -> None:
+    assert recompute.budget(1000, 0.15) == 150
+    assert recompute.budget(7, 0.15) == 2  # ceil(1.05)
+    assert recompute.budget(7, 1.0) == 7
+    assert recompute.budget(0, 0.5) == 0
+    assert recompute.budget(10, 0.0) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_deviation_equals_a_per_token_loop(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n, h, d = 17, 3, 8
+    k_new, v_new, k_old, v_old = (torch.randn(n, h, d, generator=g) for _ in range(4))
+    diff, norm = recompute.kv_deviation(k_new, v_new, k_old, v_old)
+    for i in range(n):
+        want_diff = float(((k_new[i] - k_old[i]) ** 2).sum() + ((v_new[i] - v_old[i]) ** 2).sum())
+        want_norm = float((k_new[i] ** 2).sum() + (v_new[i] ** 2).sum())
+        assert math.isclose(float(diff[i]), want_diff, rel_tol=1e-5)
+        assert math.isclose(float(norm[i]), want_norm, rel_tol=1e-5)
+    rel = recompute.relative(diff, norm)
+    assert torch.allclose(rel, diff / norm)
+    assert float(recompute.relative(torch.ones(1), torch.zeros(1))) == 0.0
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (9, 3)])
+def test_query_attention_equals_a_per_head_softmax_loop(heads: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(sum(heads))
+    hq, hkv = heads
+    t, n, d, scale = 5, 11, 16, 0.25
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(n, hkv, d, generator=g)
+    got = recompute.query_attention(q, k, scale)
+    want = torch.zeros(n)
+    group = hq // hkv
+    for qi in range(t):
+        for head in range(hq):
+            logits = torch.stack([q[qi, head] @ k[j, head // group] for j in range(n)]) * scale
+            want += torch.softmax(logits, 0)
+    want /= t * hq
+    assert torch.allclose(got, want, atol=1e-6)
+    assert math.isclose(float(got.sum()), 1.0, rel_tol=1e-5)
+    assert recompute.query_attention(q[:0], k, scale).tolist() == [0.0] * n
+
+
+def test_top_takes_the_highest_scores_and_breaks_ties_by_position() -> None:
+    scores = torch.tensor([0.5, 0.9, 0.5, 0.1, 0.9, 0.5])
+    assert recompute.top(scores, 2).tolist() == [1, 4]
+    assert recompute.top(scores, 3).tolist() == [0, 1, 4]  # the first 0.5
+    assert recompute.top(scores, 4).tolist() == [0, 1, 2, 4]
+    assert recompute.top(scores, 0).tolist() == []
+    assert recompute.top(scores, 10).tolist() == list(range(6))
+    # the same on a permuted copy names the same scores
+    perm = torch.tensor([5, 3, 1, 0, 4, 2])
+    picked = perm[recompute.top(scores[perm], 2)].sort().values.tolist()
+    assert picked == [1, 4]
+
+
+def test_gate_refuses_only_when_what_is_left_deviates_beyond_the_threshold() -> None:
+    deviation = torch.tensor([0.9, 0.01, 0.02, 0.8, 0.03])
+    chosen = torch.tensor([0, 3])
+    refused, residual = recompute.gate(deviation, chosen, 0.05)
+    assert not refused and math.isclose(residual, 0.02, rel_tol=1e-6)
+    refused, residual = recompute.gate(deviation, chosen, 0.01)
+    assert refused
+    assert recompute.gate(deviation, chosen, 0.0)[0] is False  # the gate off
+    assert recompute.gate(deviation, torch.arange(5), 1e-9) == (False, 0.0)
+
+
+def test_select_takes_the_budget_by_score_and_everything_when_gated() -> None:
+    deviation = torch.tensor([0.1, 0.5, 0.2, 0.4, 0.3, 0.0, 0.05, 0.6, 0.01, 0.02])
+    sel = recompute.select(deviation, deviation, 0.3, 0.0)
+    assert sel.recompute.tolist() == [1, 3, 7] and not sel.gated
+    assert math.isclose(sel.residual_deviation, float(deviation[[0, 2, 4, 5, 6, 8, 9]].mean()))
+    by_query = recompute.select(torch.arange(10.0), deviation, 0.2, 0.0)
+    assert by_query.recompute.tolist() == [8, 9]
+    gated = recompute.select(deviation, deviation, 0.3, 0.05)
+    assert gated.gated and gated.recompute.tolist() == list(range(10))
+
+
+def test_only_heads_needs_no_check_layer() -> None:
+    assert not RecomputeStrategy.HEADS.uses_check_layer
+    assert RecomputeStrategy.DEVIATION.uses_check_layer
+    assert RecomputeStrategy.QUERY.uses_check_layer
+    assert recompute.STRATEGIES == ("heads", "deviation", "query")
