@@ -27,10 +27,12 @@ LOGPROB_TOLERANCE = 2e-3
 """float32 rounding of the same attention computed by two paths (query-only vs full rows)."""
 
 
-def _server(model: Path, log: Path, env: dict[str, str]) -> SglangServer:
-    srv = start_server(model, port=free_port(), env={"SEMBLEND_ENABLED": "1", **env}, log_path=log)
-    srv.wait_healthy(timeout=600)
-    return srv
+def _serve(model: Path, log: Path, env: dict[str, str]) -> Iterator[SglangServer]:
+    """The real server with semblend on and ``env``, healthy; stopped when the fixture ends."""
+    env = {"SEMBLEND_ENABLED": "1", **env}
+    with start_server(model, port=free_port(), env=env, log_path=log) as srv:
+        srv.wait_healthy(timeout=600)
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +41,7 @@ def deviation_server(
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("recompute-deviation") / "server.log"
     env = {"SEMBLEND_RECOMPUTE_STRATEGY": "deviation", "SEMBLEND_RECOMPUTE_RATIO": "0.3"}
-    srv = _server(smollm2_model_dir, log, env)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from _serve(smollm2_model_dir, log, env)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +54,7 @@ def gated_server(
         "SEMBLEND_RECOMPUTE_RATIO": "0.15",
         "SEMBLEND_QUALITY_GATE": "1e-12",
     }
-    srv = _server(smollm2_model_dir, log, env)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from _serve(smollm2_model_dir, log, env)
 
 
 @pytest.fixture(scope="module")

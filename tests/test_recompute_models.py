@@ -54,12 +54,9 @@ RECOMPUTE_ENV = {
 
 
 def _serve(model_dir: Path, env: dict[str, str], log: Path) -> Iterator[SglangServer]:
-    server = start_server(model_dir, port=free_port(), env=env, log_path=log)
-    try:
+    with start_server(model_dir, port=free_port(), env=env, log_path=log) as server:
         server.wait_healthy(timeout=600)
         yield server
-    finally:
-        server.stop()
 
 
 def _generate(
