@@ -91,7 +91,6 @@ class LayerHook:
         self.pool = model_runner.token_to_kv_pool
         self.check_layer = int(runtime.config.recompute_check_layer)
         self.strategy = RecomputeStrategy(runtime.config.recompute_strategy)
-        self.start_layer = int(getattr(model.model, "start_layer", 0))
         self.armed: _ForwardCheck | None = None
         self._wrapped: list[Any] = []
         for i, layer in enumerate(layers):
@@ -120,7 +119,7 @@ class LayerHook:
 
     def _take(self, forward_batch: Any, layer: int) -> _ForwardCheck | None:
         check: _ForwardCheck | None = forward_batch.__dict__.get(_FORWARD_ATTR)
-        if check is not None or layer != self.start_layer or self.armed is None:
+        if check is not None or layer != 0 or self.armed is None:
             return check
         armed, self.armed = self.armed, None
         lens = forward_batch.extend_seq_lens_cpu

@@ -309,6 +309,15 @@ def wait_for_forward(forward_stream: Any, device: torch.device) -> None:
         current.wait_stream(forward_stream)
 
 
+def _computed_mask(load: _RequestLoad) -> torch.Tensor:
+    """Over the load's chunk positions ``lo..hi``: True where the pass computes, False where
+    it copied donor KV."""
+    mask = torch.ones(load.hi - load.lo, dtype=torch.bool)
+    for span, _ in load.copied:
+        mask[span.target_start - load.lo : span.target_end - load.lo] = False
+    return mask
+
+
 def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     """Drop the copied positions from the batch's computed tokens; keep their true positions."""
     copied = {load.index: load for load in loads if load.copied}
@@ -323,9 +332,7 @@ def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     for i in range(len(batch.reqs)):
         load = copied.get(i)
         if load is not None:
-            mask = torch.ones(load.hi - load.lo, dtype=torch.bool)
-            for span, _ in load.copied:
-                mask[span.target_start - load.lo : span.target_end - load.lo] = False
+            mask = _computed_mask(load)
             keep[start : start + ext[i]] = mask
             sparse[load.req.rid] = torch.arange(load.lo, load.hi, dtype=torch.int64)[mask]
             tail = ext[i] - int(batch.extend_logprob_start_lens[i])
@@ -347,11 +354,7 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad]) -> None:
     for load in loads:
         if not load.copied:
             continue
-        parts = [
-            torch.arange(span.target_start - load.lo, span.target_end - load.lo)
-            for span, _ in load.copied
-        ]
-        offsets = torch.sort(torch.cat(parts)).values.to(torch.int64)
+        offsets = torch.nonzero(~_computed_mask(load)).flatten()
         final = load.hi >= len(load.req.origin_input_ids)
         found[load.req.rid] = CheckCandidates(offsets, final)
     setattr(batch, CHECK_ATTR, found)
