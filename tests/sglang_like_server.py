@@ -60,6 +60,12 @@ def output_ids(prompt: Sequence[int], n: int) -> list[int]:
     return [(sum(prompt) + 7 * k) % VOCAB for k in range(n)]
 
 
+def top2_margin(token: int) -> float:
+    """The top-1 / top-2 logprob margin the server reports at an output position whose token
+    is ``token`` (when asked with ``top_logprobs_num`` >= 2)."""
+    return 0.01 * (token % 50)
+
+
 @dataclass
 class ServerState:
     """What one server does and has seen; tests set the first fields and read the rest."""
@@ -168,10 +174,14 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {"detail": "Not Found"})
 
-    def _chunk(self, meta: dict[str, Any], ids: list[int], logprobs: bool) -> bytes:
+    def _chunk(self, meta: dict[str, Any], ids: list[int], logprobs: bool, top: int = 0) -> bytes:
         meta = dict(meta, completion_tokens=len(ids))
         if logprobs:
             meta["output_token_logprobs"] = [[-0.5, i, None] for i in ids]
+            if top >= 2:
+                meta["output_top_logprobs"] = [
+                    [[-0.5, i, None], [-0.5 - top2_margin(i), (i + 1) % VOCAB, None]] for i in ids
+                ]
         text = "".join(f" t{i}" for i in ids)
         return b"data: " + json.dumps({"text": text, "meta_info": meta}).encode() + b"\n\n"
 
@@ -180,6 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
         prompt = tuple(body["input_ids"])
         n = int(body["sampling_params"]["max_new_tokens"])
         logprobs = bool(body.get("return_logprob"))
+        top = int(body.get("top_logprobs_num") or 0)
         cached, reused = state.admit(prompt)
         meta = {"prompt_tokens": len(prompt), "cached_tokens": cached}
         out = output_ids(prompt, n)
@@ -195,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
             computed = len(prompt) - cached - reused
             time.sleep(state.first_token_delay_s + state.prefill_s_per_token * computed)
             for k in range(1, n + 1):
-                self.wfile.write(self._chunk(meta, out[:k], logprobs))
+                self.wfile.write(self._chunk(meta, out[:k], logprobs, top))
                 self.wfile.flush()
                 if k == 1 and n > 2:
                     time.sleep(state.tail_delay_s)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from sglang_like_server import ServerState, SGLangLikeServer, output_ids, serve
+from sglang_like_server import ServerState, SGLangLikeServer, output_ids, serve, top2_margin
 
 from semblend_sglang.bench.client import (
     NoTokenStreamed,
@@ -22,6 +22,7 @@ from semblend_sglang.bench.client import (
     semblend_snapshot,
     sse_events,
     stream_generate,
+    top2_margins,
     try_flush,
 )
 
@@ -97,6 +98,29 @@ def test_server_client_answer_and_reference_logprobs(url: str, state: ServerStat
         "recomputed_tokens": 0,
         "hook_seconds": pytest.approx(0.001),
     }
+
+
+def test_server_client_reads_the_top2_margins_only_when_asked(url: str, state: ServerState) -> None:
+    client = ServerClient(url)
+    plain = client.generate([3, 4], 3)
+    assert plain.margins == ()
+    _, body = state.requests[-1]
+    assert "top_logprobs_num" not in body
+    asked = client.generate([3, 4], 3, margins=True)
+    _, body = state.requests[-1]
+    assert body["top_logprobs_num"] == 2
+    assert asked.output_ids == plain.output_ids
+    assert asked.margins == pytest.approx([top2_margin(t) for t in asked.output_ids])
+
+
+def test_top2_margins_refuses_a_position_without_two_candidates() -> None:
+    meta = {"output_top_logprobs": [[[-0.1, 5, None], [-0.4, 6, None]], [[-0.2, 7, None]]]}
+    with pytest.raises(ValueError, match="position 1 has 1 top logprobs"):
+        top2_margins(meta)
+    assert top2_margins({"output_top_logprobs": meta["output_top_logprobs"][:1]}) == (
+        pytest.approx(0.3),
+    )
+    assert top2_margins({}) == ()
 
 
 def test_flush_retries_until_the_server_applies_it(url: str, state: ServerState) -> None:

@@ -139,7 +139,29 @@ def test_summary_of_hand_made_records() -> None:
     assert row["exact_spans_ppl_ratio"] == pytest.approx(2.718281828**0.5)
     assert row["exact_spans_greedy_agreement"] == pytest.approx(2 / 32 + 28 / 32)
     assert row["exact_greedy_agreement"] == 1.0
+    assert row["exact_spans_divergent_hits"] == 0  # the cold run recorded no margins
+    assert row["exact_spans_divergence_margin"] is None
     assert "cross_instruction" in console_table([row])
+
+
+def test_summary_reports_the_cold_margin_where_hits_part_from_cold() -> None:
+    def probe(group: str, output: list[int], outcome: str) -> ProbeRecord:
+        rec = _rec("exact_spans", "semantic", 1.0, output, outcome=outcome, reused_tokens=9)
+        rec.group_id = group
+        return rec
+
+    records = []
+    for group, margins in (("g0", [0.4, 0.3, 0.2]), ("g1", [0.9, 0.8, 0.7]), ("g2", [0.1] * 3)):
+        cold = _rec("vanilla", "cold", 4.0, [1, 2, 3], margins=margins)
+        cold.group_id = group
+        records.append(cold)
+    records.append(probe("g0", [1, 5, 3], "materialized"))  # parts at 1: 0.3
+    records.append(probe("g1", [7, 2, 3], "materialized"))  # parts at 0: 0.9
+    records.append(probe("g2", [1, 2, 8], "declined:no_donor"))  # not a hit: left out
+    (row,) = summarize(records)
+    assert row["exact_spans_divergent_hits"] == 2
+    assert row["exact_spans_divergence_margin"] == pytest.approx(0.6)  # median of 0.3, 0.9
+    assert row["exact_spans_divergence_margin_max"] == pytest.approx(0.9)
 
 
 @pytest.mark.e2e
@@ -162,6 +184,10 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     semantic = [r for r in report["records"] if r["kind"] == "semantic"]
     assert semantic and all(len(r["reference_logprobs"]) == 64 for r in semantic)
     assert all(0 < r["hook_ms"] < 60_000 for r in semantic)  # the server's own hook time
+    cold = [r for r in report["records"] if r["kind"] == "cold"]
+    assert cold and all(len(r["margins"]) == len(r["output_ids"]) > 0 for r in cold)
+    assert all(m >= 0 for r in cold for m in r["margins"])  # top-1 minus top-2, from SGLang
+    assert all(r["margins"] == [] for r in report["records"] if r["kind"] != "cold")
     assert {r["kind"] for r in report["records"]} == {
         "semantic",
         "prefix",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from semblend_sglang.bench.metrics import (
+    divergence_margin,
     first_divergence,
     fraction,
     greedy_agreement,
@@ -94,6 +95,16 @@ def test_first_divergence() -> None:
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     assert first_divergence([], [4]) == 0
     assert first_divergence([9], [4]) == 0
+
+
+def test_divergence_margin_is_the_cold_margin_where_the_answers_first_differ() -> None:
+    cold, margins = [1, 2, 3, 4], [0.5, 0.25, 0.125, 0.0625]
+    assert divergence_margin([1, 2, 3, 4], cold, margins) is None
+    assert divergence_margin([1, 9, 3, 9], cold, margins) == 0.25  # the first difference
+    assert divergence_margin([1, 2, 3], cold, margins) == 0.0625  # the answer stopped early
+    assert divergence_margin([1, 2, 3, 4, 5], cold, margins) is None  # no cold token there
+    assert divergence_margin([1, 2, 3, 9], cold, margins, n=3) is None  # only i < n
+    assert divergence_margin([1, 2, 9], cold, margins[:2]) is None  # no margin recorded there
 
 
 def test_rouge_l() -> None:

@@ -221,8 +221,10 @@ def test_markdown_table_puts_each_workloads_settings_side_by_side(tmp_path: Path
     reports.append({"summary": summarize(older.records)})  # like a schema-3 report
     lines = markdown_table(reports).splitlines()
     assert lines[0].startswith("| strategy | ratio | workload | ctx | cold |")
-    assert lines[0].endswith("| gate declines | greedy agree (hits) | PPL ratio |")
-    assert lines[1] == "|" + "---|" * 14
+    assert lines[0].endswith(
+        "| gate declines | greedy agree (hits) | cold margin at divergence | PPL ratio |"
+    )
+    assert lines[1] == "|" + "---|" * 15
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     assert [c[:4] for c in cells] == [
         ["?", "?", "rag", "512"],
@@ -236,7 +238,8 @@ def test_markdown_table_puts_each_workloads_settings_side_by_side(tmp_path: Path
     share = {(c[0], c[1], c[2]): c[10] for c in cells}
     assert share[("heads", "0%", "rag")] == "0%" and share[("query", "30%", "rag")] == "30%"
     assert all(c[8] == "100%" and c[11] == "0" for c in cells if c[0] != "?")
-    assert cells[0][11] == "0" and cells[0][13] == "—"  # no references: no PPL ratio
+    assert all(c[13] == "—" for c in cells)  # every hit agrees with cold: no margin
+    assert cells[0][11] == "0" and cells[0][14] == "—"  # no references: no PPL ratio
     paths = []
     for i, report in enumerate(reports):
         paths.append(tmp_path / f"e2e-{i}.json")

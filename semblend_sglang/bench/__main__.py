@@ -44,6 +44,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.vllm_served",
         "The vLLM connector on a real vLLM engine: TTFT reuse vs cold, vLLM's counters, quality.",
     ),
+    "blend-sim": (
+        "semblend_sglang.bench.blend_sim",
+        "Offline recompute simulation: which selection and ratio keep the cold answer.",
+    ),
     "table": (
         "semblend_sglang.bench.e2e_table",
         "e2e JSON reports as one markdown table: recompute strategy x ratio x workload.",

@@ -60,12 +60,15 @@ def stream_generate(
     max_new_tokens: int,
     *,
     return_logprob: bool = False,
+    top_logprobs_num: int = 0,
     stop_after_first_token: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> Streamed:
     """Send one greedy streaming ``/generate`` of ``input_ids`` to the server at ``url`` and read
     the stream (see the module doc). ``return_logprob``: ask for output token logprobs (their ids
-    are in ``meta["output_token_logprobs"]``). ``stop_after_first_token``: close the stream at
+    are in ``meta["output_token_logprobs"]``); with ``top_logprobs_num`` > 0 also that many most
+    likely tokens at every output position (``meta["output_top_logprobs"]``).
+    ``stop_after_first_token``: close the stream at
     the first token (SGLang then aborts the request). Raises :class:`NoTokenStreamed` when no
     chunk carried a token, ``httpx.HTTPStatusError`` on an error status."""
     import httpx
@@ -77,6 +80,8 @@ def stream_generate(
     }
     if return_logprob:
         payload["return_logprob"] = True
+        if top_logprobs_num > 0:
+            payload["top_logprobs_num"] = top_logprobs_num
     ttft: float | None = None
     meta: dict[str, Any] = {}
     text = ""
@@ -180,16 +185,32 @@ def health_generate(url: str, timeout: float = 120.0) -> bool:
         return False
 
 
+def top2_margins(meta: dict[str, Any]) -> tuple[float, ...]:
+    """Per output position of a ``/generate`` answer asked with ``top_logprobs_num`` >= 2: the
+    logprob of its most likely token minus that of its second (``output_top_logprobs`` entries
+    are ``[logprob, token_id, text]``, most likely first). Raises ValueError on a position with
+    fewer than two entries."""
+    out = []
+    for i, top in enumerate(meta.get("output_top_logprobs") or []):
+        if top is None or len(top) < 2:
+            got = 0 if top is None else len(top)
+            raise ValueError(f"output position {i} has {got} top logprobs")
+        out.append(float(top[0][0]) - float(top[1][0]))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Answer:
     """One streamed greedy ``/generate`` answer: TTFT, the server's prompt and cached-token
-    counts, the output token ids and text."""
+    counts, the output token ids and text, and (when asked for) ``margins``: per output
+    position, the logprob of the most likely token minus that of the second."""
 
     ttft_s: float
     prompt_tokens: int
     cached_tokens: int
     output_ids: tuple[int, ...]
     text: str
+    margins: tuple[float, ...] = ()
 
 
 class ServerClient:
@@ -199,10 +220,18 @@ class ServerClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> Answer:
-        """Greedy streamed generation with output ids (:func:`stream_generate`)."""
+    def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int, *, margins: bool = False
+    ) -> Answer:
+        """Greedy streamed generation with output ids (:func:`stream_generate`); ``margins``:
+        also the top-1 / top-2 logprob margin of every output position."""
         got = stream_generate(
-            self.url, input_ids, max_new_tokens, return_logprob=True, timeout=self.timeout
+            self.url,
+            input_ids,
+            max_new_tokens,
+            return_logprob=True,
+            top_logprobs_num=2 if margins else 0,
+            timeout=self.timeout,
         )
         ids = tuple(int(entry[1]) for entry in got.meta.get("output_token_logprobs") or [])
         return Answer(
@@ -211,6 +240,7 @@ class ServerClient:
             cached_tokens=int(got.meta.get("cached_tokens", 0)),
             output_ids=ids,
             text=got.text,
+            margins=top2_margins(got.meta) if margins else (),
         )
 
     def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:

@@ -43,14 +43,16 @@ from .workloads import Workload
 
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
 carry per semblend system ``_recompute_strategy``, ``_recompute_ratio``,
 ``_recompute_check_layer``, ``_quality_gate`` (resolved; None: not reported),
 ``_gate_declines``, ``_recomputed_tokens`` and ``_recompute_share``; records
-``recomputed_tokens``."""
+``recomputed_tokens``. 5: vanilla's cold records carry ``margins`` (top-1 / top-2 logprob per
+output position); summary rows per semblend system ``_divergent_hits``,
+``_divergence_margin`` and ``_divergence_margin_max``."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

@@ -58,6 +58,9 @@ class ProbeRecord:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    """Vanilla's cold run: the top-1 / top-2 logprob margin of each greedy output position
+    (how close the cold answer is to a different token there); empty on other runs."""
     label: str = ""
     donors: int = field(kw_only=True)
 
@@ -169,6 +172,7 @@ class Runner:
             cached_tokens=answer.cached_tokens,
             output_ids=list(answer.output_ids),
             text=answer.text,
+            margins=list(answer.margins),
             **extra,
         )
         self.records.append(rec)
@@ -236,7 +240,7 @@ class Runner:
                 i,
                 "vanilla",
                 "cold",
-                client.generate(probe.prompt_ids, self.greedy_tokens),
+                client.generate(probe.prompt_ids, self.greedy_tokens, margins=True),
             )
             rec.reference_logprobs = self._reference(client, probe)
             self.progress(1)

@@ -12,7 +12,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
-from .metrics import greedy_agreement, miss_overhead, percentile, ppl_ratio, rouge_l
+from .metrics import (
+    divergence_margin,
+    greedy_agreement,
+    miss_overhead,
+    percentile,
+    ppl_ratio,
+    rouge_l,
+)
 from .systems import SEMBLEND_SYSTEMS, SGLANG_DISPATCH
 
 TTFT_KINDS: tuple[tuple[str, str], ...] = (
@@ -92,6 +99,7 @@ def _system_columns(
     ratios: list[float] = []
     agreements: list[tuple[bool, float]] = []
     rouges: list[tuple[bool, float]] = []
+    margins: list[float] = []
     for r in probes:
         cold = cold_of.get((r.group_id, r.probe))
         if cold is None:
@@ -100,9 +108,15 @@ def _system_columns(
             ratios.append(ppl_ratio(r.reference_logprobs, cold.reference_logprobs))
         hit = r.outcome == "materialized"
         agreements.append((hit, greedy_agreement(r.output_ids, cold.output_ids, GREEDY_TOKENS)))
+        margin = divergence_margin(r.output_ids, cold.output_ids, cold.margins, GREEDY_TOKENS)
+        if hit and margin is not None:
+            margins.append(margin)
         rouges.append((hit, rouge_l(r.text, cold.text)))
     out[f"{system}_ppl_ratio"] = percentile(ratios, 50) if ratios else None
     out[f"{system}_ppl_ratio_max"] = max(ratios) if ratios else None
+    out[f"{system}_divergent_hits"] = len(margins)
+    out[f"{system}_divergence_margin"] = percentile(margins, 50) if margins else None
+    out[f"{system}_divergence_margin_max"] = max(margins) if margins else None
     for name, values in (("greedy_agreement", agreements), ("rouge_l", rouges)):
         out[f"{system}_{name}"] = _mean([v for _, v in values])
         out[f"{system}_{name}_hits"] = _mean([v for hit, v in values if hit])
@@ -156,7 +170,10 @@ def summarize(
     ``_reused_fraction``,
     ``_ppl_ratio`` (median; ``_max``), ``_greedy_agreement``, ``_rouge_l`` against the vanilla
     cold run of the same probe (and ``_greedy_agreement_hits``, ``_rouge_l_hits``: over the
-    probes the server materialized only), and on control rows ``_miss_overhead``,
+    probes the server materialized only), ``_divergent_hits`` (materialized probes whose first
+    32 greedy tokens differ from cold) with ``_divergence_margin`` (median; ``_max``): the cold
+    run's top-1 / top-2 logprob margin where they first differ, and on control rows
+    ``_miss_overhead``,
     ``_miss_hook_ms`` and ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact
     hit's own agreement, the noise floor) and ``exact_spans_over_exact``. A missing value is
     None."""

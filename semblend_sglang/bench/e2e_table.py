@@ -3,8 +3,8 @@ table, one line per report and row, sorted so that each workload's recompute str
 ratios sit together (docs/perf.md's strategy × ratio × workload table: one e2e run per setting,
 e.g. ``--semblend-env SEMBLEND_RECOMPUTE_STRATEGY=heads --semblend-env
 SEMBLEND_RECOMPUTE_RATIO=0.05``). Strategy and ratio are what each run's server resolved (the
-rows' ``exact_spans_recompute_strategy`` and ``_ratio``, JSON schema 4); a report without them
-(schema 3) shows ``?``.
+rows' ``exact_spans_recompute_strategy`` and ``_ratio``, JSON schema 4 and later); a report
+without them (schema 3) shows ``?``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("recomputed", "exact_spans_recompute_share", ".0%"),
     ("gate declines", "exact_spans_gate_declines", "d"),
     ("greedy agree (hits)", "exact_spans_greedy_agreement_hits", ".2f"),
+    ("cold margin at divergence", "exact_spans_divergence_margin", ".3f"),
     ("PPL ratio", "exact_spans_ppl_ratio", ".3f"),
 )
 """Columns after strategy, ratio, workload and context length: (header, summary key, format).
-TTFT p50 in ms; ``recomputed``: share of reused + recomputed tokens."""
+TTFT p50 in ms; ``recomputed``: share of reused + recomputed tokens; ``cold margin at
+divergence``: median over the hits that part from cold of the cold run's top-1 / top-2 logprob
+margin where they part (``—``: none parts)."""
 
 
 def _cell(value: Any, spec: str) -> str:

@@ -3,7 +3,8 @@
 Latency: :func:`percentile`, :func:`summarize_ms`, :func:`miss_overhead`. Quality against a cold
 prefill of the same prompt: :func:`ppl_ratio` of a reference continuation teacher-forced through
 the server (:func:`input_logprobs_from_meta` reads SGLang's answer), :func:`greedy_agreement` /
-:func:`first_divergence` of greedy outputs, :func:`rouge_l` / :func:`rouge_l_ids`.
+:func:`first_divergence` of greedy outputs and the cold :func:`divergence_margin` there,
+:func:`rouge_l` / :func:`rouge_l_ids`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,22 @@ def greedy_agreement(a_ids: Sequence[Hashable], b_ids: Sequence[Hashable], n: in
         if (in_a and in_b and a_ids[i] == b_ids[i]) or (not in_a and not in_b):
             agree += 1
     return agree / n
+
+
+def divergence_margin(
+    answer: Sequence[Hashable],
+    cold: Sequence[Hashable],
+    cold_margins: Sequence[float],
+    n: int = 32,
+) -> float | None:
+    """How close the cold run was to the token the answer took where they first differ: the
+    cold run's top-1 / top-2 logprob margin at :func:`first_divergence` of the first ``n``
+    positions. None when the first ``n`` agree, or the cold run has no token (or no margin)
+    there."""
+    at = first_divergence(answer[:n], cold[:n])
+    if at is None or at >= len(cold) or at >= len(cold_margins):
+        return None
+    return float(cold_margins[at])
 
 
 def first_divergence(a: Sequence[Hashable], b: Sequence[Hashable]) -> int | None:

@@ -1,0 +1,315 @@
+"""``bench blend-sim``: which recompute selection keeps the cold answer, measured without a server.
+
+An offline float32 torch forward of a Llama-family checkpoint (:class:`LlamaReference`) runs a
+workload's probe cold, its donors, and then the probe as a recompute would: every position
+computed up to the check layer, after it only the gaps and the selected reused positions, the
+rest attending with their donor's RoPE-corrected K/V (:func:`blended_prefill`, the dense
+reference of ``patches/sglang/layer_hook.py``). Per probe it prints, for each selection and
+ratio, the 32-token greedy agreement with cold:
+
+- ``deviation@c``: the top ratio of reused positions by relative K/V deviation at check layer
+  ``c`` (the engine's ``deviation`` strategy);
+- ``deep@c``: the top ratio by the deviation summed over the layers after ``c``, which only a
+  cold prefill knows (what a check at every layer would see): whether the check layer's signal
+  is too shallow. It is not an optimum: the positions that change the answer most need not be
+  the ones whose K/V deviate most.
+
+Reused positions are each shared passage of the group (``RequestGroup.shared_spans``) found in
+the probe and in the first donor that has it. Measurement only: nothing in serving imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from semblend_sglang import recompute
+from semblend_sglang.kernels.rope_spec import RopeSpec
+from semblend_sglang.kernels.rotate_ref import rotate_fp32
+
+from .e2e_runner import GREEDY_TOKENS
+from .metrics import greedy_agreement
+
+
+@dataclass
+class Prefill:
+    """Per layer K (RoPE applied) and V [tokens, kv_heads, head_dim], the hidden states entering
+    each layer (``hidden[l]``, and ``hidden[-1]`` after the last) of the computed rows."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+
+
+class LlamaReference:
+    """A float32 forward of a ``LlamaForCausalLM`` checkpoint (``config.json`` and
+    ``model.safetensors`` in one folder) whose every layer's K/V can be replaced. Attention is
+    causal by position over all rows given, so rows may be a subset (a sparse extend). Not fast,
+    not batched; raises ValueError on another architecture."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        config = json.loads((model_dir / "config.json").read_text())
+        if config.get("architectures") != ["LlamaForCausalLM"]:
+            raise ValueError(f"{model_dir}: not a LlamaForCausalLM ({config.get('architectures')})")
+        self.layers = int(config["num_hidden_layers"])
+        self.heads = int(config["num_attention_heads"])
+        self.kv_heads = int(config["num_key_value_heads"])
+        self.eps = float(config["rms_norm_eps"])
+        self.rope = RopeSpec.from_hf_config(config)
+        self.head_dim = self.rope.head_dim
+        self.w = {k: v.float() for k, v in load_file(model_dir / "model.safetensors").items()}
+        self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def layer(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer ``index`` for ``hidden`` (the rows ``rows`` at ``positions``): writes their K/V
+        into ``keys``/``values`` (all rows, row i at position i), attends over all of them."""
+        p = f"model.layers.{index}."
+        x = self._norm(hidden, p + "input_layernorm.weight")
+        n, d = x.shape[0], self.head_dim
+        q = (x @ self.w[p + "self_attn.q_proj.weight"].T).view(n, self.heads, d)
+        k = (x @ self.w[p + "self_attn.k_proj.weight"].T).view(n, self.kv_heads, d)
+        keys[rows] = rotate_fp32(k, positions, self.rope)
+        values[rows] = (x @ self.w[p + "self_attn.v_proj.weight"].T).view(n, self.kv_heads, d)
+        q = rotate_fp32(q, positions, self.rope)
+        group = self.heads // self.kv_heads
+        kk, vv = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) / math.sqrt(d)
+        later = torch.arange(keys.shape[0])[None, None, :] > positions[None, :, None]
+        attn = scores.masked_fill(later, float("-inf")).softmax(-1)
+        out = torch.einsum("hqk,khd->qhd", attn, vv).reshape(n, -1)
+        hidden = hidden + out @ self.w[p + "self_attn.o_proj.weight"].T
+        x = self._norm(hidden, p + "post_attention_layernorm.weight")
+        gate = torch.nn.functional.silu(x @ self.w[p + "mlp.gate_proj.weight"].T)
+        up = x @ self.w[p + "mlp.up_proj.weight"].T
+        return hidden + (gate * up) @ self.w[p + "mlp.down_proj.weight"].T
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of hidden states after the last layer."""
+        return self._norm(hidden, "model.norm.weight") @ self.lm_head.T
+
+    @torch.no_grad()
+    def prefill(self, ids: Sequence[int]) -> Prefill:
+        """Every position of ``ids`` computed in every layer (a cold prefill)."""
+        n = len(ids)
+        rows = torch.arange(n)
+        hidden = self.w["model.embed_tokens.weight"][torch.tensor(list(ids))]
+        out = Prefill([], [], [hidden])
+        for index in range(self.layers):
+            keys = torch.zeros(n, self.kv_heads, self.head_dim)
+            values = torch.zeros_like(keys)
+            hidden = self.layer(index, hidden, rows, rows, keys, values)
+            out.keys.append(keys)
+            out.values.append(values)
+            out.hidden.append(hidden)
+        return out
+
+    @torch.no_grad()
+    def greedy(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], last: torch.Tensor, steps: int
+    ) -> tuple[list[int], list[float]]:
+        """``steps`` greedy tokens after a prefill whose per-layer K/V are ``keys``/``values`` and
+        whose last position's final hidden state is ``last``; with each token's top-1 / top-2
+        logit margin (a logprob margin: the normalizer cancels)."""
+        keys, values = list(keys), list(values)
+        tokens: list[int] = []
+        margins: list[float] = []
+        logits = self.logits(last)
+        for step in range(steps):
+            top = logits.topk(2)
+            tokens.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            if step == steps - 1:
+                break
+            at = torch.tensor([keys[0].shape[0]])
+            hidden = self.w["model.embed_tokens.weight"][torch.tensor(tokens[-1:])]
+            for index in range(self.layers):
+                pad = torch.zeros(1, self.kv_heads, self.head_dim)
+                keys[index] = torch.cat([keys[index], pad])
+                values[index] = torch.cat([values[index], pad])
+                hidden = self.layer(index, hidden, at, at, keys[index], values[index])
+            logits = self.logits(hidden[-1])
+        return tokens, margins
+
+
+@torch.no_grad()
+def blended_prefill(
+    model: LlamaReference,
+    cold: Prefill,
+    donor_keys: list[torch.Tensor],
+    donor_values: list[torch.Tensor],
+    keep_donor: torch.Tensor,
+    check_layer: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The prompt of ``cold`` as a recompute runs it: cold through ``check_layer`` (every
+    position computed there), then the positions ``keep_donor`` keep the donor's K/V (rows of
+    ``donor_keys``/``donor_values``, RoPE-corrected to the prompt's positions) and only the
+    others are computed. Returns the per-layer K/V and the last position's final hidden state
+    (the last position must not be in ``keep_donor``)."""
+    n = cold.keys[0].shape[0]
+    computed = torch.ones(n, dtype=torch.bool)
+    computed[keep_donor] = False
+    rows = torch.nonzero(computed).flatten()
+    keys = [k.clone() for k in cold.keys]
+    values = [v.clone() for v in cold.values]
+    hidden = cold.hidden[check_layer + 1][rows]
+    for index in range(check_layer + 1, model.layers):
+        keys[index][keep_donor] = donor_keys[index][keep_donor]
+        values[index][keep_donor] = donor_values[index][keep_donor]
+        hidden = model.layer(index, hidden, rows, rows, keys[index], values[index])
+    return keys, values, hidden[-1]
+
+
+def _find(haystack: Sequence[int], needle: Sequence[int]) -> int | None:
+    n = len(needle)
+    for i in range(len(haystack) - n + 1):
+        if haystack[i : i + n] == needle:
+            return i
+    return None
+
+
+def simulate_group(
+    model: LlamaReference,
+    probe: Sequence[int],
+    donors: Sequence[Sequence[int]],
+    passages: Sequence[Sequence[int]],
+    ratios: Sequence[float],
+    check_layers: Sequence[int],
+) -> tuple[list[float], list[tuple[str, float, float]]]:
+    """The cold margins of ``probe``'s greedy answer and, per (selection, ratio), its greedy
+    agreement with cold (:func:`.metrics.greedy_agreement`; selections in the module doc).
+    Raises ValueError when a passage is missing from the probe or from every donor."""
+    cold = model.prefill(probe)
+    answer, margins = model.greedy(cold.keys, cold.values, cold.hidden[-1][-1], GREEDY_TOKENS)
+    n = len(probe)
+    donor_keys = [torch.zeros_like(k) for k in cold.keys]
+    donor_values = [torch.zeros_like(v) for v in cold.values]
+    computed_donors: dict[int, Prefill] = {}
+    reused = []
+    for passage in passages:
+        at = _find(probe, passage)
+        found = [(i, _find(d, passage)) for i, d in enumerate(donors)]
+        source = next(((i, s) for i, s in found if s is not None), None)
+        if at is None or source is None:
+            raise ValueError("a shared passage is missing from the probe or from every donor")
+        i, start = source
+        if i not in computed_donors:
+            computed_donors[i] = model.prefill(donors[i])
+        src = torch.arange(start, start + len(passage))
+        dst = torch.arange(at, at + len(passage))
+        for index in range(model.layers):
+            k = computed_donors[i].keys[index][src]
+            donor_keys[index][dst] = rotate_fp32(k, dst - src, model.rope)
+            donor_values[index][dst] = computed_donors[i].values[index][src]
+        reused.append(dst)
+    positions = torch.cat(reused)
+    if int(positions.max()) >= n - 1:
+        raise ValueError("the probe's last position is reused: nothing would compute it")
+    deviation = [
+        recompute.relative(
+            *recompute.kv_deviation(
+                cold.keys[i][positions],
+                cold.values[i][positions],
+                donor_keys[i][positions],
+                donor_values[i][positions],
+            )
+        )
+        for i in range(model.layers)
+    ]
+    results = []
+    for check in check_layers:
+        scores = {
+            f"deviation@{check}": deviation[check],
+            f"deep@{check}": sum(deviation[check + 1 :], torch.zeros(len(positions))),
+        }
+        for name, score in scores.items():
+            for ratio in ratios:
+                chosen = recompute.top(score, recompute.budget(len(positions), ratio))
+                kept = torch.ones(len(positions), dtype=torch.bool)
+                kept[chosen] = False
+                keys, values, last = blended_prefill(
+                    model, cold, donor_keys, donor_values, positions[kept], check
+                )
+                tokens, _ = model.greedy(keys, values, last, GREEDY_TOKENS)
+                results.append((name, ratio, greedy_agreement(tokens, answer, GREEDY_TOKENS)))
+    return margins, results
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+@click.command("blend-sim")
+@click.option("--workloads", default="rag,rag_corpus", show_default=True)
+@click.option("--lengths", default="2048", show_default=True)
+@click.option("--groups", default=2, show_default=True)
+@click.option("--ratios", default="0.15,0.3,0.5,0.7,0.9", show_default=True)
+@click.option("--check-layers", default="1", show_default=True)
+@click.option("--model-path", type=click.Path(path_type=Path), default=None)
+def command(
+    workloads: str,
+    lengths: str,
+    groups: int,
+    ratios: str,
+    check_layers: str,
+    model_path: Path | None,
+) -> None:
+    """Offline recompute simulation (no server): per probe of the built-in WORKLOADS, the
+    32-token greedy agreement with cold of each selection (deviation at a check layer, and the
+    deviation of the deeper layers) at each ratio; markdown rows on stdout."""
+    from ..cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from transformers import AutoTokenizer
+
+    from semblend_sglang.data import essay_texts
+    from semblend_sglang.model_prep import prepare_model
+
+    from .builtin_workloads import build_workload
+
+    path = model_path or Path(prepare_model())
+    model = LlamaReference(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    layers = [int(x) for x in check_layers.split(",") if x]
+    wanted = _floats(ratios)
+    click.echo(
+        "| workload | ctx | group | cold margins (first 3) | selection | "
+        + " | ".join(f"{r:.0%}" for r in wanted)
+        + " |"
+    )
+    click.echo("|" + "---|" * (5 + len(wanted)))
+    for name in workloads.split(","):
+        for length in (int(x) for x in lengths.split(",")):
+            built = build_workload(name, tok, essay_texts(), length, groups, 0)
+            for group in built.groups:
+                probe = group.probes[0].prompt_ids
+                donors = [d.prompt_ids for d in group.donors]
+                margins, results = simulate_group(
+                    model, probe, donors, group.shared_spans, wanted, layers
+                )
+                shown = " ".join(f"{m:.3f}" for m in margins[:3])
+                for selection in dict.fromkeys(s for s, _, _ in results):
+                    cells = [f"{a:.2f}" for s, _, a in results if s == selection]
+                    click.echo(
+                        f"| {name} | {length} | {group.group_id} | {shown} | {selection} | "
+                        + " | ".join(cells)
+                        + " |"
+                    )

@@ -1,0 +1,102 @@
+"""``bench blend-sim`` (semblend_sglang/bench/blend_sim.py): its float32 forward against
+transformers' on the real SmolLM2 weights and real text, and its recompute simulation against
+the cold prefill it must equal when nothing or everything is recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from semblend_sglang.bench.blend_sim import LlamaReference, blended_prefill, simulate_group
+from semblend_sglang.bench.builtin_workloads import build_workload
+from semblend_sglang.data import essay_texts
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_model_dir: Path) -> LlamaReference:
+    return LlamaReference(smollm2_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_tokenizer: Any) -> list[int]:
+    ids = smollm2_tokenizer(essay_texts()[0], add_special_tokens=False)["input_ids"]
+    return list(ids[:48])
+
+
+def test_forward_and_greedy_match_transformers(
+    model: LlamaReference, prompt: list[int], smollm2_model_dir: Path
+) -> None:
+    from semblend_sglang.cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+        generated = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2
+        )[0, len(prompt) :].tolist()
+    cold = model.prefill(prompt)
+    got = model.logits(cold.hidden[-1])
+    assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4), (got - expected).abs().max()
+    tokens, margins = model.greedy(cold.keys, cold.values, cold.hidden[-1][-1], 8)
+    assert tokens == generated
+    top = expected[-1].topk(2).values
+    assert margins[0] == pytest.approx(float(top[0] - top[1]), abs=2e-3)
+    assert all(m >= 0 for m in margins)
+
+
+def test_blended_prefill_is_cold_when_the_kept_kv_is_the_prompts_own(
+    model: LlamaReference, prompt: list[int]
+) -> None:
+    cold = model.prefill(prompt)
+    kept = torch.arange(4, 30)
+    for check in (0, 1, 5):
+        keys, values, last = blended_prefill(model, cold, cold.keys, cold.values, kept, check)
+        assert torch.allclose(last, cold.hidden[-1][-1], atol=1e-4)
+        for layer in range(model.layers):
+            assert torch.allclose(keys[layer], cold.keys[layer], atol=1e-4)
+            assert torch.allclose(values[layer], cold.values[layer], atol=1e-4)
+
+
+def test_blended_prefill_with_another_donor_changes_only_the_layers_after_the_check(
+    model: LlamaReference, prompt: list[int]
+) -> None:
+    cold = model.prefill(prompt)
+    other = model.prefill(prompt[::-1])  # real token values, another context for every row
+    kept = torch.arange(10, 20)
+    check = 3
+    keys, _, last = blended_prefill(model, cold, other.keys, other.values, kept, check)
+    for layer in range(check + 1):
+        assert torch.equal(keys[layer], cold.keys[layer])  # computed densely up to the check
+    for layer in range(check + 1, model.layers):
+        assert torch.equal(keys[layer][kept], other.keys[layer][kept])
+    assert not torch.allclose(last, cold.hidden[-1][-1], atol=1e-3)
+
+
+def test_simulate_group_recomputing_everything_is_cold(
+    model: LlamaReference, smollm2_tokenizer: Any
+) -> None:
+    workload = build_workload("rag", smollm2_tokenizer, essay_texts(), 256, 1, 0)
+    (group,) = workload.groups
+    probe = group.probes[0].prompt_ids
+    donors = [d.prompt_ids for d in group.donors]
+    margins, results = simulate_group(
+        model, probe, donors, group.shared_spans, ratios=[1.0, 0.0], check_layers=[2]
+    )
+    assert len(margins) == 32 and all(m >= 0 for m in margins)
+    assert [(name, ratio) for name, ratio, _ in results] == [
+        ("deviation@2", 1.0),
+        ("deviation@2", 0.0),
+        ("deep@2", 1.0),
+        ("deep@2", 0.0),
+    ]
+    assert all(agree == 1.0 for _, ratio, agree in results if ratio == 1.0)
+    zero = {agree for _, ratio, agree in results if ratio == 0.0}
+    assert len(zero) == 1  # nothing recomputed: the selection cannot matter
+    with pytest.raises(ValueError, match="missing"):
+        simulate_group(model, probe, donors, [(7, 7, 7, 7)], ratios=[0.5], check_layers=[1])
