@@ -18,6 +18,7 @@ from semblend_sglang.bench.e2e_runner import (
     requests_per_group,
 )
 from semblend_sglang.bench.e2e_summary import summarize
+from semblend_sglang.bench.e2e_table import markdown_table
 from semblend_sglang.bench.report import console_table
 from semblend_sglang.bench.systems import (
     DEFAULT_SYSTEMS,
@@ -139,8 +140,10 @@ def test_summary_of_hand_made_records() -> None:
     assert row["exact_spans_ppl_ratio"] == pytest.approx(2.718281828**0.5)
     assert row["exact_spans_greedy_agreement"] == pytest.approx(2 / 32 + 28 / 32)
     assert row["exact_greedy_agreement"] == 1.0
-    assert row["exact_spans_divergent_hits"] == 0  # the cold run recorded no margins
-    assert row["exact_spans_divergence_margin"] is None
+    assert row["exact_spans_divergent_hits"] == 1  # parts at position 2
+    assert row["exact_spans_divergence_margin"] is None  # the cold run recorded no margins
+    margin_cell = markdown_table([{"summary": [row]}]).splitlines()[2].split("|")[-3].strip()
+    assert margin_cell == "?"  # parted, margin unknown (a schema-4 report)
     assert "cross_instruction" in console_table([row])
 
 
@@ -160,6 +163,8 @@ def test_summary_reports_the_cold_margin_where_hits_part_from_cold() -> None:
     records.append(probe("g2", [1, 2, 8], "declined:no_donor"))  # not a hit: left out
     (row,) = summarize(records)
     assert row["exact_spans_divergent_hits"] == 2
+    cells = markdown_table([{"summary": [row]}]).splitlines()[2].split("|")
+    assert cells[-3].strip() == "0.600"
     assert row["exact_spans_divergence_margin"] == pytest.approx(0.6)  # median of 0.3, 0.9
     assert row["exact_spans_divergence_margin_max"] == pytest.approx(0.9)
 

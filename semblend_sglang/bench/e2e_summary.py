@@ -14,6 +14,7 @@ from typing import Any
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
 from .metrics import (
     divergence_margin,
+    first_divergence,
     greedy_agreement,
     miss_overhead,
     percentile,
@@ -99,6 +100,7 @@ def _system_columns(
     ratios: list[float] = []
     agreements: list[tuple[bool, float]] = []
     rouges: list[tuple[bool, float]] = []
+    divergent = 0
     margins: list[float] = []
     for r in probes:
         cold = cold_of.get((r.group_id, r.probe))
@@ -108,13 +110,16 @@ def _system_columns(
             ratios.append(ppl_ratio(r.reference_logprobs, cold.reference_logprobs))
         hit = r.outcome == "materialized"
         agreements.append((hit, greedy_agreement(r.output_ids, cold.output_ids, GREEDY_TOKENS)))
-        margin = divergence_margin(r.output_ids, cold.output_ids, cold.margins, GREEDY_TOKENS)
-        if hit and margin is not None:
-            margins.append(margin)
+        n = GREEDY_TOKENS
+        if hit and first_divergence(r.output_ids[:n], cold.output_ids[:n]) is not None:
+            divergent += 1
+            margin = divergence_margin(r.output_ids, cold.output_ids, cold.margins, GREEDY_TOKENS)
+            if margin is not None:
+                margins.append(margin)
         rouges.append((hit, rouge_l(r.text, cold.text)))
     out[f"{system}_ppl_ratio"] = percentile(ratios, 50) if ratios else None
     out[f"{system}_ppl_ratio_max"] = max(ratios) if ratios else None
-    out[f"{system}_divergent_hits"] = len(margins)
+    out[f"{system}_divergent_hits"] = divergent
     out[f"{system}_divergence_margin"] = percentile(margins, 50) if margins else None
     out[f"{system}_divergence_margin_max"] = max(margins) if margins else None
     for name, values in (("greedy_agreement", agreements), ("rouge_l", rouges)):
@@ -172,7 +177,8 @@ def summarize(
     cold run of the same probe (and ``_greedy_agreement_hits``, ``_rouge_l_hits``: over the
     probes the server materialized only), ``_divergent_hits`` (materialized probes whose first
     32 greedy tokens differ from cold) with ``_divergence_margin`` (median; ``_max``): the cold
-    run's top-1 / top-2 logprob margin where they first differ, and on control rows
+    run's top-1 / top-2 logprob margin where they first differ (None when no cold run recorded
+    margins: schema 4 and older), and on control rows
     ``_miss_overhead``,
     ``_miss_hook_ms`` and ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact
     hit's own agreement, the noise floor) and ``exact_spans_over_exact``. A missing value is

@@ -19,6 +19,8 @@ import click
 from .e2e_summary import row_name
 from .report import ratio_label
 
+MARGIN_KEY = "exact_spans_divergence_margin"
+
 MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("cold", "cold_ms_p50", ",.0f"),
     ("exact hit, same length", "exact_same_length_ms_p50", ",.0f"),
@@ -29,17 +31,22 @@ MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("recomputed", "exact_spans_recompute_share", ".0%"),
     ("gate declines", "exact_spans_gate_declines", "d"),
     ("greedy agree (hits)", "exact_spans_greedy_agreement_hits", ".2f"),
-    ("cold margin at divergence", "exact_spans_divergence_margin", ".3f"),
+    ("cold margin at divergence", MARGIN_KEY, ".3f"),
     ("PPL ratio", "exact_spans_ppl_ratio", ".3f"),
 )
 """Columns after strategy, ratio, workload and context length: (header, summary key, format).
 TTFT p50 in ms; ``recomputed``: share of reused + recomputed tokens; ``cold margin at
 divergence``: median over the hits that part from cold of the cold run's top-1 / top-2 logprob
-margin where they part (``—``: none parts)."""
+margin where they part (``—``: none parts; ``?``: some part, but the report has no margins)."""
 
 
-def _cell(value: Any, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+def _cell(row: Mapping[str, Any], key: str, spec: str) -> str:
+    value = row.get(key)
+    if value is not None:
+        return format(value, spec)
+    if key == MARGIN_KEY and row.get("exact_spans_divergent_hits"):
+        return "?"  # hits parted from cold, but the cold run recorded no margins
+    return "—"
 
 
 def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
@@ -68,7 +75,7 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
             ratio_label(row.get("exact_spans_recompute_ratio")),
             row_name(row),
             str(row["context_tokens"]),
-            *(_cell(row.get(key), spec) for _, key, spec in MARKDOWN_COLUMNS),
+            *(_cell(row, key, spec) for _, key, spec in MARKDOWN_COLUMNS),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
