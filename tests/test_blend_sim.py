@@ -100,3 +100,16 @@ def test_simulate_group_recomputing_everything_is_cold(
     assert len(zero) == 1  # nothing recomputed: the selection cannot matter
     with pytest.raises(ValueError, match="missing"):
         simulate_group(model, probe, donors, [(7, 7, 7, 7)], ratios=[0.5], check_layers=[1])
+
+
+def test_reference_refuses_what_it_does_not_model(tmp_path: Path, smollm2_model_dir: Path) -> None:
+    import json
+
+    config = json.loads((smollm2_model_dir / "config.json").read_text())
+    for change, message in (
+        ({"architectures": ["Olmo2ForCausalLM"]}, "not a LlamaForCausalLM"),
+        ({"attention_bias": True}, "biases are not modelled"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            LlamaReference(tmp_path)

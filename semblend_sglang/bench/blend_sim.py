@@ -51,7 +51,7 @@ class LlamaReference:
     """A float32 forward of a ``LlamaForCausalLM`` checkpoint (``config.json`` and
     ``model.safetensors`` in one folder) whose every layer's K/V can be replaced. Attention is
     causal by position over all rows given, so rows may be a subset (a sparse extend). Not fast,
-    not batched; raises ValueError on another architecture."""
+    not batched; raises ValueError on another architecture or on projection biases."""
 
     def __init__(self, model_dir: Path) -> None:
         from safetensors.torch import load_file
@@ -59,6 +59,8 @@ class LlamaReference:
         config = json.loads((model_dir / "config.json").read_text())
         if config.get("architectures") != ["LlamaForCausalLM"]:
             raise ValueError(f"{model_dir}: not a LlamaForCausalLM ({config.get('architectures')})")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ValueError(f"{model_dir}: projection biases are not modelled")
         self.layers = int(config["num_hidden_layers"])
         self.heads = int(config["num_attention_heads"])
         self.kv_heads = int(config["num_key_value_heads"])
