@@ -286,12 +286,14 @@ def command(
     from semblend_sglang.model_prep import prepare_model
 
     from .builtin_workloads import build_workload
+    from .e2e import parse_lengths
 
+    contexts = parse_lengths(lengths)
+    layers = [int(x) for x in check_layers.split(",") if x]
+    wanted = _floats(ratios)
     path = model_path or Path(prepare_model())
     model = LlamaReference(path)
     tok = AutoTokenizer.from_pretrained(path)
-    layers = [int(x) for x in check_layers.split(",") if x]
-    wanted = _floats(ratios)
     click.echo(
         "| workload | ctx | group | cold margins (first 3) | selection | "
         + " | ".join(f"{r:.0%}" for r in wanted)
@@ -299,7 +301,7 @@ def command(
     )
     click.echo("|" + "---|" * (5 + len(wanted)))
     for name in workloads.split(","):
-        for length in (int(x) for x in lengths.split(",")):
+        for length in contexts:
             built = build_workload(name, tok, essay_texts(), length, groups, 0)
             for group in built.groups:
                 probe = group.probes[0].prompt_ids
