@@ -9,8 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from semblend_sglang.bench.blend_sim import LlamaReference, blended_prefill, simulate_group
+from semblend_sglang.bench.blend_sim import (
+    LlamaReference,
+    blended_prefill,
+    command,
+    simulate_group,
+)
 from semblend_sglang.bench.builtin_workloads import build_workload
 from semblend_sglang.data import essay_texts
 
@@ -100,6 +106,8 @@ def test_simulate_group_recomputing_everything_is_cold(
     assert len(zero) == 1  # nothing recomputed: the selection cannot matter
     with pytest.raises(ValueError, match="missing"):
         simulate_group(model, probe, donors, [(7, 7, 7, 7)], ratios=[0.5], check_layers=[1])
+    with pytest.raises(ValueError, match="check layers"):
+        simulate_group(model, probe, donors, group.shared_spans, [0.5], [model.layers])
 
 
 def test_reference_refuses_what_it_does_not_model(tmp_path: Path, smollm2_model_dir: Path) -> None:
@@ -113,3 +121,35 @@ def test_reference_refuses_what_it_does_not_model(tmp_path: Path, smollm2_model_
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
             LlamaReference(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "fragment"),
+    [
+        (["--ratios", "0.15,high"], "--ratios", "'high' is not a ratio"),
+        (["--ratios", "1.5"], "--ratios", "'1.5' is not a ratio"),
+        (["--check-layers", "1,x"], "--check-layers", "'x' is not a layer of the model"),
+        (["--check-layers", "-1"], "--check-layers", "'-1' is not a layer of the model"),
+        (["--workloads", "rag,control"], "--workloads", "not a workload with donors: ['control']"),
+        (["--lengths", "12"], "--lengths", "'12' is not a context length"),
+        (["--groups", "0"], "--groups", "0 is not in the range"),
+    ],
+)
+def test_a_malformed_flag_is_one_usage_error_naming_it(
+    args: list[str], option: str, fragment: str, smollm2_model_dir: Path
+) -> None:
+    result = CliRunner().invoke(command, [*args, "--model-path", str(smollm2_model_dir)])
+    assert result.exit_code == 2, result.output
+    assert option in result.output and fragment in result.output, result.output
+    assert "Traceback" not in result.output and "| workload |" not in result.output
+
+
+def test_a_check_layer_beyond_the_model_is_a_usage_error(smollm2_model_dir: Path) -> None:
+    import json
+
+    depth = json.loads((smollm2_model_dir / "config.json").read_text())["num_hidden_layers"]
+    args = ["--check-layers", f"1,{depth}", "--model-path", str(smollm2_model_dir)]
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 2, result.output
+    assert f"'{depth}' is not a layer of the model (0 to {depth - 1})" in result.output
+    assert "--check-layers" in result.output and "| workload |" not in result.output

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+from semblend_sglang.server import SglangServer, http_json
+from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -41,23 +42,15 @@ def server(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("dp-server") / "server.log"
-    srv = start_server(
-        smollm2_model_dir,
-        port=free_port(),
-        extra_args=["--dp-size", "2", "--load-balance-method", "total_tokens"],
-        env={
-            "SEMBLEND_ENABLED": "1",
-            "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-            "SEMBLEND_DISPATCH_LOAD_MARGIN": str(LOAD_MARGIN),
-            "SEMBLEND_DISPATCH_INDEX_BYTES": str(INDEX_BYTES),
-        },
-        log_path=log,
-    )
-    try:
-        srv.wait_healthy(timeout=600)
+    args = ["--dp-size", "2", "--load-balance-method", "total_tokens"]
+    env = {
+        "SEMBLEND_ENABLED": "1",
+        "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
+        "SEMBLEND_DISPATCH_LOAD_MARGIN": str(LOAD_MARGIN),
+        "SEMBLEND_DISPATCH_INDEX_BYTES": str(INDEX_BYTES),
+    }
+    with healthy_server(smollm2_model_dir, log, env, args) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.client import flush_cache
-from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+from semblend_sglang.server import SglangServer, http_json
+from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -27,21 +28,18 @@ LOGPROB_TOLERANCE = 2e-3
 """float32 rounding of the same attention computed by two paths (query-only vs full rows)."""
 
 
-def _serve(model: Path, log: Path, env: dict[str, str]) -> Iterator[SglangServer]:
-    """The real server with semblend on and ``env``, healthy; stopped when the fixture ends."""
-    env = {"SEMBLEND_ENABLED": "1", **env}
-    with start_server(model, port=free_port(), env=env, log_path=log) as srv:
-        srv.wait_healthy(timeout=600)
-        yield srv
-
-
 @pytest.fixture(scope="module")
 def deviation_server(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("recompute-deviation") / "server.log"
-    env = {"SEMBLEND_RECOMPUTE_STRATEGY": "deviation", "SEMBLEND_RECOMPUTE_RATIO": "0.3"}
-    yield from _serve(smollm2_model_dir, log, env)
+    env = {
+        "SEMBLEND_ENABLED": "1",
+        "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
+        "SEMBLEND_RECOMPUTE_RATIO": "0.3",
+    }
+    with healthy_server(smollm2_model_dir, log, env) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +48,13 @@ def gated_server(
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("recompute-gate") / "server.log"
     env = {
+        "SEMBLEND_ENABLED": "1",
         "SEMBLEND_RECOMPUTE_STRATEGY": "query",
         "SEMBLEND_RECOMPUTE_RATIO": "0.15",
         "SEMBLEND_QUALITY_GATE": "1e-12",
     }
-    yield from _serve(smollm2_model_dir, log, env)
+    with healthy_server(smollm2_model_dir, log, env) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

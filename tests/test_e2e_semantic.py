@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+from semblend_sglang.server import SglangServer, http_json
+from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -36,18 +37,9 @@ def server(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("semantic-server") / "server.log"
-    srv = start_server(
-        smollm2_model_dir,
-        port=free_port(),
-        extra_args=["--enable-metrics"],
-        env={"SEMBLEND_ENABLED": "1"},
-        log_path=log,
-    )
-    try:
-        srv.wait_healthy(timeout=600)
+    env = {"SEMBLEND_ENABLED": "1"}
+    with healthy_server(smollm2_model_dir, log, env, ["--enable-metrics"]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _metrics(url: str) -> dict[str, float]:

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+from semblend_sglang.server import SglangServer, http_json
+from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -27,17 +28,9 @@ def server(
     smollm2_model_dir: Path, standin_log: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(
-        smollm2_model_dir,
-        port=free_port(),
-        env={"SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(standin_log)},
-        log_path=log,
-    )
-    try:
-        srv.wait_healthy(timeout=600)
+    env = {"SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(standin_log)}
+    with healthy_server(smollm2_model_dir, log, env) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _generate(url: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+from semblend_sglang.server import ServerError, SglangServer, http_json
+from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -30,10 +31,6 @@ INSTRUCTIONS = (
     "Summarize the following essay in three sentences.\n\n",
     "Read the essay below carefully and list the author's main arguments.\n\n",
 )
-
-
-def _serve(model_dir: Path, log: Path, args: list[str], env: dict[str, str]) -> SglangServer:
-    return start_server(model_dir, port=free_port(), extra_args=args, env=env, log_path=log)
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +80,8 @@ def unchunked(
     # fraction is given (the reproduction passed 0.8); the pool is bounded in tokens
     args = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.8"]
     args += ["--max-total-tokens", "32768"]
-    srv = _serve(smollm2_model_dir, log, args, {"SEMBLEND_ENABLED": "1"})
-    try:
-        srv.wait_healthy(timeout=600)
+    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_chunked_prefill_off_serves_a_semantic_hit_like_cold(
@@ -117,9 +110,7 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
 ) -> None:
     log = tmp_path_factory.mktemp("no-radix") / "server.log"
     args = ["--disable-radix-cache", "--admin-api-key", ADMIN_KEY]
-    srv = _serve(smollm2_model_dir, log, args, {"SEMBLEND_ENABLED": "1"})
-    try:
-        srv.wait_healthy(timeout=600)
+    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
         for ids in prompts:
             answer = _generate(srv.url, ids, 4)
             assert answer["meta_info"]["completion_tokens"] == 4
@@ -133,8 +124,6 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
         text = log.read_text(errors="replace")
         assert text.count("unsupported server options: --disable-radix-cache") == 1
         _healthy_after_idle(srv)
-    finally:
-        srv.stop()
 
 
 def test_a_bad_setting_stops_the_server_at_start_naming_the_key(
@@ -142,10 +131,6 @@ def test_a_bad_setting_stops_the_server_at_start_naming_the_key(
 ) -> None:
     log = tmp_path_factory.mktemp("bad-config") / "server.log"
     env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_MIN_REUSE_RATIO": "2.5"}
-    srv = _serve(smollm2_model_dir, log, [], env)
-    try:
-        with pytest.raises(Exception, match="exited"):
-            srv.wait_healthy(timeout=600)
-        assert "SEMBLEND_MIN_REUSE_RATIO" in log.read_text(errors="replace")
-    finally:
-        srv.stop()
+    with pytest.raises(ServerError, match="exited"), healthy_server(smollm2_model_dir, log, env):
+        pass
+    assert "SEMBLEND_MIN_REUSE_RATIO" in log.read_text(errors="replace")

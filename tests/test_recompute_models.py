@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.client import flush_cache, semblend_snapshot
-from semblend_sglang.server import SglangServer, free_port, http_json, start_server
+from semblend_sglang.server import SglangServer, http_json
 from tests.harness.random_models import SHAPES, build_random_model
+from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -51,12 +52,6 @@ RECOMPUTE_ENV = {
     "SEMBLEND_RECOMPUTE_RATIO": str(RATIO),
     "SEMBLEND_RECOMPUTE_CHECK_LAYER": "1",
 }
-
-
-def _serve(model_dir: Path, env: dict[str, str], log: Path) -> Iterator[SglangServer]:
-    with start_server(model_dir, port=free_port(), env=env, log_path=log) as server:
-        server.wait_healthy(timeout=600)
-        yield server
 
 
 def _generate(
@@ -187,7 +182,8 @@ def shape_server(
     name: str = request.param
     model_dir = build_random_model(SHAPES[name], smollm2_model_dir)
     log = tmp_path_factory.mktemp(f"recompute-{name}") / "server.log"
-    yield from _serve(model_dir, RECOMPUTE_ENV, log)
+    with healthy_server(model_dir, log, RECOMPUTE_ENV) as server:
+        yield server
 
 
 @pytest.fixture(scope="class")
@@ -197,7 +193,8 @@ def unknown_server(
     """The real server on the random Olmo2 model, recompute env set."""
     model_dir = build_random_model(SHAPES[UNKNOWN_CLASS_SHAPE], smollm2_model_dir)
     log = tmp_path_factory.mktemp("recompute-unknown") / "server.log"
-    yield from _serve(model_dir, RECOMPUTE_ENV, log)
+    with healthy_server(model_dir, log, RECOMPUTE_ENV) as server:
+        yield server
 
 
 @pytest.fixture(scope="class")
@@ -207,7 +204,8 @@ def full_ratio_server(
     """The real server on SmolLM2, every reused position recomputed."""
     env = dict(RECOMPUTE_ENV, SEMBLEND_RECOMPUTE_RATIO="1")
     log = tmp_path_factory.mktemp("recompute-full") / "server.log"
-    yield from _serve(smollm2_model_dir, env, log)
+    with healthy_server(smollm2_model_dir, log, env) as server:
+        yield server
 
 
 class TestRecomputeOnEachRopeShape:

@@ -198,7 +198,10 @@ def simulate_group(
 ) -> tuple[list[float], list[tuple[str, float, float]]]:
     """The cold margins of ``probe``'s greedy answer and, per (selection, ratio), its greedy
     agreement with cold (:func:`.metrics.greedy_agreement`; selections in the module doc).
-    Raises ValueError when a passage is missing from the probe or from every donor."""
+    Raises ValueError when a passage is missing from the probe or from every donor, or a check
+    layer is not a layer of ``model``."""
+    if any(not 0 <= c < model.layers for c in check_layers):
+        raise ValueError(f"check layers {list(check_layers)} not all in [0, {model.layers})")
     cold = model.prefill(probe)
     answer, margins = model.greedy(cold.keys, cold.values, cold.hidden[-1][-1], GREEDY_TOKENS)
     n = len(probe)
@@ -255,14 +258,62 @@ def simulate_group(
     return margins, results
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+def parse_ratios(text: str) -> list[float]:
+    """``--ratios``: comma-separated fractions of the reused positions in [0, 1]. Raises
+    :class:`click.BadParameter` naming the option for anything else."""
+    out: list[float] = []
+    for part in text.split(","):
+        try:
+            value = float(part.strip())
+        except ValueError:
+            value = math.nan
+        if not 0.0 <= value <= 1.0:
+            raise click.BadParameter(
+                f"{part.strip()!r} is not a ratio (a number in [0, 1])", param_hint="'--ratios'"
+            )
+        out.append(value)
+    return out
+
+
+def parse_check_layers(text: str, layers: int | None = None) -> list[int]:
+    """``--check-layers``: comma-separated layer indices, each in ``[0, layers)`` (any
+    non-negative integer while ``layers`` is None, before the model is read). Raises
+    :class:`click.BadParameter` naming the option for anything else."""
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            value = -1
+        if value < 0 or (layers is not None and value >= layers):
+            bound = "a non-negative integer" if layers is None else f"0 to {layers - 1}"
+            raise click.BadParameter(
+                f"{part.strip()!r} is not a layer of the model ({bound})",
+                param_hint="'--check-layers'",
+            )
+        out.append(value)
+    return out
+
+
+def parse_workloads(text: str) -> list[str]:
+    """``--workloads``: comma-separated built-in workloads that have donors (not ``control``).
+    Raises :class:`click.BadParameter` naming the option for anything else."""
+    from .builtin_workloads import BUILTIN_WORKLOADS
+
+    names = [n.strip() for n in text.split(",")]
+    wrong = [n for n in names if n not in BUILTIN_WORKLOADS or n == "control"]
+    if wrong:
+        choices = ", ".join(n for n in BUILTIN_WORKLOADS if n != "control")
+        raise click.BadParameter(
+            f"not a workload with donors: {wrong} (one of {choices})", param_hint="'--workloads'"
+        )
+    return names
 
 
 @click.command("blend-sim")
 @click.option("--workloads", default="rag,rag_corpus", show_default=True)
 @click.option("--lengths", default="2048", show_default=True)
-@click.option("--groups", default=2, show_default=True)
+@click.option("--groups", default=2, show_default=True, type=click.IntRange(1, 50))
 @click.option("--ratios", default="0.15,0.3,0.5,0.7,0.9", show_default=True)
 @click.option("--check-layers", default="1", show_default=True)
 @click.option("--model-path", type=click.Path(path_type=Path), default=None)
@@ -289,10 +340,12 @@ def command(
     from .e2e import parse_lengths
 
     contexts = parse_lengths(lengths)
-    layers = [int(x) for x in check_layers.split(",") if x]
-    wanted = _floats(ratios)
+    names = parse_workloads(workloads)
+    wanted = parse_ratios(ratios)
+    parse_check_layers(check_layers)
     path = model_path or Path(prepare_model())
     model = LlamaReference(path)
+    layers = parse_check_layers(check_layers, model.layers)
     tok = AutoTokenizer.from_pretrained(path)
     click.echo(
         "| workload | ctx | group | cold margins (first 3) | selection | "
@@ -300,7 +353,7 @@ def command(
         + " |"
     )
     click.echo("|" + "---|" * (5 + len(wanted)))
-    for name in workloads.split(","):
+    for name in names:
         for length in contexts:
             built = build_workload(name, tok, essay_texts(), length, groups, 0)
             for group in built.groups:

@@ -12,6 +12,7 @@
   dense reference;
 * `random_models`: tiny random-weight HF model folders of each RoPE shape RopeSpec accepts
   (and one model class the recompute layer hook does not know), for the real server;
+* `server`: the real SGLang server for end-to-end tests (`healthy_server`);
 * `versions`: which version is installed, and what the adapter-contract suite
   (tests/contract) needs to know about it.
 
