@@ -44,6 +44,17 @@ class ServerError(RuntimeError):
     """The server exited or did not become healthy; the message carries its last log lines."""
 
 
+class PortInUseError(ServerError):
+    """The server could not bind its HTTP port: another socket took it after :func:`free_port`
+    chose it (SGLang's own start-up picks free ports too). Starting again on another port is
+    the remedy; SGLang's launcher does not exit on it, so without this it would wait out the
+    health timeout."""
+
+
+BIND_FAILURE = "error while attempting to bind on address"
+"""What uvicorn logs when the HTTP port is taken (followed by the address and the errno text)."""
+
+
 def _flag_names(args: Sequence[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
 
@@ -146,14 +157,25 @@ class SglangServer:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def port_taken(self) -> bool:
+        """True when the log shows the HTTP port could not be bound (False without a log)."""
+        if self.log_path is None or not self.log_path.exists():
+            return False
+        port = self.url.rsplit(":", 1)[1]
+        text = self.log_path.read_text(errors="replace")
+        return any(BIND_FAILURE in line and port in line for line in text.splitlines())
+
     def wait_healthy(self, timeout: float = 300.0) -> None:
-        """Block until ``GET /health`` answers 200; ServerError if the server dies or times out."""
+        """Block until ``GET /health`` answers 200; :class:`PortInUseError` as soon as the log
+        shows the port taken, ServerError if the server dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ServerError(
                     f"sglang server exited with {self.process.returncode}:\n{self.log_tail()}"
                 )
+            if self.port_taken():
+                raise PortInUseError(f"{self.url}: port in use:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:

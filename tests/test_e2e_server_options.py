@@ -21,7 +21,14 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import ServerError, SglangServer, http_json
+from semblend_sglang.server import (
+    PortInUseError,
+    ServerError,
+    SglangServer,
+    free_port,
+    http_json,
+    start_server,
+)
 from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
@@ -134,3 +141,38 @@ def test_a_bad_setting_stops_the_server_at_start_naming_the_key(
     with pytest.raises(ServerError, match="exited"), healthy_server(smollm2_model_dir, log, env):
         pass
     assert "SEMBLEND_MIN_REUSE_RATIO" in log.read_text(errors="replace")
+
+
+def test_a_taken_port_fails_fast_and_the_harness_starts_again_on_another(
+    smollm2_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    import tests.harness.server as harness_server
+
+    log = tmp_path_factory.mktemp("port-taken") / "server.log"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = int(holder.getsockname()[1])
+        # the server's own start on the taken port: PortInUseError, not the health timeout
+        with start_server(smollm2_model_dir, port=taken, log_path=log) as first:
+            with pytest.raises(PortInUseError, match="port in use"):
+                first.wait_healthy(timeout=300)
+            assert first.alive()  # SGLang's launcher does not exit on it by itself
+            first.stop(grace=harness_server.PORT_TAKEN_GRACE_S)
+        # the harness: handed the taken port first, it starts again on the next one
+        handed: list[int] = []
+        fresh = free_port()
+
+        def next_port() -> int:
+            handed.append(taken if not handed else fresh)
+            return handed[-1]
+
+        monkeypatch.setattr(harness_server, "free_port", next_port)
+        with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}) as srv:
+            assert handed == [taken, fresh] and srv.url.endswith(f":{fresh}")
+            answer = _generate(srv.url, [1, 2, 3, 4], 2)
+            assert answer["meta_info"]["completion_tokens"] == 2
