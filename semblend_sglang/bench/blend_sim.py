@@ -258,41 +258,35 @@ def simulate_group(
     return margins, results
 
 
+def _ratio(part: str) -> float:
+    value = float(part)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(part)
+    return value
+
+
 def parse_ratios(text: str) -> list[float]:
     """``--ratios``: comma-separated fractions of the reused positions in [0, 1]. Raises
     :class:`click.BadParameter` naming the option for anything else."""
-    out: list[float] = []
-    for part in text.split(","):
-        try:
-            value = float(part.strip())
-        except ValueError:
-            value = math.nan
-        if not 0.0 <= value <= 1.0:
-            raise click.BadParameter(
-                f"{part.strip()!r} is not a ratio (a number in [0, 1])", param_hint="'--ratios'"
-            )
-        out.append(value)
-    return out
+    from .e2e import parse_comma_list
+
+    return parse_comma_list(text, "--ratios", _ratio, "a ratio (a number in [0, 1])")
 
 
 def parse_check_layers(text: str, layers: int | None = None) -> list[int]:
     """``--check-layers``: comma-separated layer indices, each in ``[0, layers)`` (any
     non-negative integer while ``layers`` is None, before the model is read). Raises
     :class:`click.BadParameter` naming the option for anything else."""
-    out: list[int] = []
-    for part in text.split(","):
-        try:
-            value = int(part.strip())
-        except ValueError:
-            value = -1
+    from .e2e import parse_comma_list
+
+    def layer(part: str) -> int:
+        value = int(part)
         if value < 0 or (layers is not None and value >= layers):
-            bound = "a non-negative integer" if layers is None else f"0 to {layers - 1}"
-            raise click.BadParameter(
-                f"{part.strip()!r} is not a layer of the model ({bound})",
-                param_hint="'--check-layers'",
-            )
-        out.append(value)
-    return out
+            raise ValueError(part)
+        return value
+
+    bound = "a non-negative integer" if layers is None else f"0 to {layers - 1}"
+    return parse_comma_list(text, "--check-layers", layer, f"a layer of the model ({bound})")
 
 
 def parse_workloads(text: str) -> list[str]:

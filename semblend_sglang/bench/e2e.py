@@ -14,10 +14,10 @@ semblend server's resolved settings), PNG plot.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -40,6 +40,8 @@ from .systems import (
     start_servers,
 )
 from .workloads import Workload
+
+_T = TypeVar("_T")
 
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
@@ -68,22 +70,32 @@ def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClien
     )
 
 
+def parse_comma_list(text: str, option: str, convert: Callable[[str], _T], what: str) -> list[_T]:
+    """A bench flag's comma-separated values, each through ``convert`` (which raises
+    ValueError for a part that is not one). Raises :class:`click.BadParameter` naming
+    ``option``: ``'<part>' is not <what>``. The bench commands' flag parsers call it."""
+    out: list[_T] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            out.append(convert(part))
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not {what}", param_hint=f"'{option}'") from None
+    return out
+
+
+def _context_length(part: str) -> int:
+    value = int(part)
+    if value < 64:
+        raise ValueError(part)
+    return value
+
+
 def parse_lengths(text: str) -> list[int]:
     """``--lengths``: comma-separated context lengths in tokens, each at least 64. Raises
     :class:`click.BadParameter` naming the option for anything else."""
-    out: list[int] = []
-    for part in text.split(","):
-        try:
-            value = int(part.strip())
-        except ValueError:
-            value = 0
-        if value < 64:
-            raise click.BadParameter(
-                f"{part.strip()!r} is not a context length (an integer >= 64)",
-                param_hint="'--lengths'",
-            )
-        out.append(value)
-    return out
+    return parse_comma_list(
+        text, "--lengths", _context_length, "a context length (an integer >= 64)"
+    )
 
 
 @click.command("e2e")
