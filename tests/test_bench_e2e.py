@@ -174,7 +174,7 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "semblend_sglang.bench", "--quick"]
     cmd += ["--workloads", "cross_instruction", "--systems", "vanilla,exact_spans"]
-    cmd += ["--model-path", str(smollm2_model_dir), "--out", str(out)]
+    cmd += ["--model-path", str(smollm2_model_dir), "--out", str(out), "--repeats", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "e2e.json").read_text())
@@ -186,10 +186,23 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     (row,) = report["summary"]
     assert row["workload"] == "cross_instruction" and row["context_tokens"] == 512
     assert row["exact_spans_hit_rate"] > 0  # confirmed by the server's own counters
-    semantic = [r for r in report["records"] if r["kind"] == "semantic"]
+    records = report["records"]
+    # systems interleaved per probe, the whole probe again in the second repeat
+    kinds = ["semantic", "prefix", "cold", "exact_same_length"]
+    assert [(r["repeat"], r["kind"]) for r in records] == [
+        (k, kind) for k in (0, 1) for kind in kinds
+    ]
+    assert all(r["foreign_cores"] is not None and r["foreign_cores"] >= 0 for r in records)
+    assert report["noise"]["rows"] == 1 and report["noise"]["foreign_cores_max"] is not None
+    assert row["exact_spans_over_exact_n"] == 2 and row["exact_spans_speedup_n"] == 2
+    assert isinstance(row["noisy"], bool)
+    first = [r for r in records if r["repeat"] == 0]
+    later = [r for r in records if r["repeat"] == 1]
+    assert all(len(r["output_ids"]) == 1 and not r["reference_logprobs"] for r in later)
+    semantic = [r for r in first if r["kind"] == "semantic"]
     assert semantic and all(len(r["reference_logprobs"]) == 64 for r in semantic)
     assert all(0 < r["hook_ms"] < 60_000 for r in semantic)  # the server's own hook time
-    cold = [r for r in report["records"] if r["kind"] == "cold"]
+    cold = [r for r in first if r["kind"] == "cold"]
     assert cold and all(len(r["margins"]) == len(r["output_ids"]) > 0 for r in cold)
     assert all(m >= 0 for r in cold for m in r["margins"])  # top-1 minus top-2, from SGLang
     assert all(r["margins"] == [] for r in report["records"] if r["kind"] != "cold")

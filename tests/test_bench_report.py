@@ -35,6 +35,8 @@ from semblend_sglang.bench.plot import (
 from semblend_sglang.bench.workload_file import load_workload_file
 
 LABELS = ("rag", "template", "control", "unrelated")
+REPEATS = 2
+"""Each probe measured twice: counts and quality come from the first repeat, TTFT from both."""
 """The file's labels in order of first appearance (its groups interleave them)."""
 
 
@@ -109,6 +111,8 @@ def run(
                 str(smollm2_model_dir),
                 "--out",
                 str(root / "out"),
+                "--repeats",
+                str(REPEATS),
             ],
         )
     assert result.exit_code == 0, result.output
@@ -140,10 +144,20 @@ def test_json_summary_has_one_row_per_label(run: tuple[str, dict[str, Any], Path
         by["rag"]["exact_spans_hit_rate"] == 1.0 and by["template"]["exact_spans_hit_rate"] == 0.5
     )
     for label in ("rag", "template"):  # the donor's text behind another head: reused
-        assert by[label]["exact_spans_n"] == 2 and by[label]["exact_spans_recomputed_tokens"] > 0
+        assert (
+            by[label]["exact_spans_n"] == 2 * REPEATS
+            and by[label]["exact_spans_recomputed_tokens"] > 0
+        )
         assert by[label]["control"] is False and "exact_spans_miss_overhead" not in by[label]
         assert by[label]["exact_spans_greedy_agreement"] == 1.0
-        assert by[label]["cold_n"] == 2 and by[label]["prefix_n"] == 2
+        assert by[label]["cold_n"] == 2 * REPEATS and by[label]["prefix_n"] == 2 * REPEATS
+        # paired per (group, probe, repeat): every probe that reused has an exact twin
+        row = by[label]
+        assert row["exact_spans_speedup_n"] == 2 * REPEATS
+        assert row["exact_spans_speedup_min"] <= row["exact_spans_speedup"]
+        assert row["exact_spans_speedup"] <= row["exact_spans_speedup_max"]
+        assert row["exact_spans_ms_min"] <= row["exact_spans_ms_p50"] <= row["exact_spans_ms_max"]
+        assert isinstance(row["noisy"], bool) and (row["noisy_why"] is None) != row["noisy"]
     assert by["rag"]["exact_spans_ppl_ratio"] == pytest.approx(1.0)  # only rag has references
     assert by["template"]["exact_spans_ppl_ratio"] is None
     assert by["unrelated"]["exact_spans_hit_rate"] == 0.0 and by["unrelated"]["control"] is False
@@ -151,6 +165,9 @@ def test_json_summary_has_one_row_per_label(run: tuple[str, dict[str, Any], Path
     assert control["control"] is True and control["exact_spans_hit_rate"] == 0.0
     assert control["prefix_n"] == 0 and control["exact_same_length_n"] == 0  # no donor
     assert isinstance(control["exact_spans_miss_overhead"], float)
+    assert control["exact_spans_miss_overhead_n"] == 2 * REPEATS  # both probes, every repeat
+    assert report["options"]["repeats"] == REPEATS
+    assert report["noise"]["foreign_cores_max"] is None  # --url servers: load not measured
     assert control["exact_spans_miss_hook_ms"] == pytest.approx(0.5)  # the server's own counter
 
 
@@ -162,12 +179,12 @@ def test_records_carry_labels_and_rebuild_the_summary(
     assert {r.label for r in records} == set(LABELS)
     assert all((r.donors == 0) == (r.label == "control") for r in records)
     gated = [r for r in records if r.outcome == "declined:quality_gate"]
-    assert [(r.group_id, r.reused_tokens) for r in gated] == [("template-1", 0)]
+    assert [(r.group_id, r.reused_tokens) for r in gated] == [("template-1", 0)] * REPEATS
     assert gated[0].recomputed_tokens and gated[0].recomputed_tokens > 0
     configs = report["semblend_config"]
     assert summarize(records, by_label=True, configs=configs) == report["summary"]
     (whole,) = summarize(records, configs=configs)  # without the breakdown: one averaged row
-    assert whole["label"] is None and whole["exact_spans_n"] == 7
+    assert whole["label"] is None and whole["exact_spans_n"] == 7 * REPEATS
     assert whole["exact_spans_hit_rate"] == pytest.approx(3 / 7)
     assert whole["exact_spans_gate_declines"] == 1
 
@@ -180,9 +197,10 @@ def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Pa
     table = [line for line in lines if line.startswith("mixed:")]
     assert [line.split()[0] for line in table] == names
     control = table[LABELS.index("control")].split()
-    assert control[8] == "0"  # hit%: no hit on the control row
-    assert control[-4:] == ["deviation", "15%", "-", "0"]  # nothing to recompute, no decline
-    template = table[LABELS.index("template")].split()
+    assert control[9] == "0"  # hit%: no hit on the control row
+    assert control[-5:-1] == ["deviation", "15%", "-", "0"]  # nothing to recompute, no decline
+    assert control[-1] in ("ok", "!")  # the noise flag
+    template = table[LABELS.index("template")].split()[:-1]
     share = (
         100
         * next(r for r in report["summary"] if r["label"] == "template")[

@@ -23,8 +23,9 @@ import click
 
 from .builtin_workloads import BUILTIN_WORKLOADS
 from .client import ServerClient
-from .e2e_runner import GREEDY_TOKENS, Runner, requests_per_group
+from .e2e_runner import GREEDY_TOKENS, ProbeRecord, Runner, requests_per_group
 from .e2e_summary import summarize
+from .machine_load import FOREIGN_LOAD_LIMIT, LoadMeter
 from .plot import plot
 from .report import console_table, settings_lines, write_json
 from .report import environment as report_environment
@@ -45,7 +46,8 @@ _T = TypeVar("_T")
 
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
-SCHEMA_VERSION = 5
+DEFAULT_REPEATS = 3
+SCHEMA_VERSION = 6
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -54,7 +56,11 @@ carry per semblend system ``_recompute_strategy``, ``_recompute_ratio``,
 ``_gate_declines``, ``_recomputed_tokens`` and ``_recompute_share``; records
 ``recomputed_tokens``. 5: vanilla's cold records carry ``margins`` (top-1 / top-2 logprob per
 output position); summary rows per semblend system ``_divergent_hits``,
-``_divergence_margin`` and ``_divergence_margin_max``."""
+``_divergence_margin`` and ``_divergence_margin_max``. 6: ``--repeats``: records carry
+``repeat``, ``foreign_cores`` and ``loadavg``; summary rows carry TTFT ``_ms_min``/``_ms_max``,
+paired ratios ``exact_spans_over_exact`` and ``exact_spans_speedup`` (medians, with ``_min``,
+``_max``, ``_n``), ``_miss_overhead`` as a median of paired ratios (``_min``, ``_max``),
+``noisy``, ``noisy_why`` and ``foreign_cores_max``; the report has ``noise`` (run level)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -68,6 +74,22 @@ def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClien
         dp_environ=cpu_dp_environ(flags),
         urls={s: c.url for s, c in clients.items()},
     )
+
+
+def run_noise(records: Sequence[ProbeRecord], rows: Sequence[dict]) -> dict[str, Any]:
+    """The report's run-level ``noise``: the foreign load (cores used by other processes while
+    requests ran: mean and max over the timed requests), the largest 1-minute load average
+    read, the limit that flags a row, and how many rows are noisy."""
+    loads = [r.foreign_cores for r in records if r.foreign_cores is not None]
+    avgs = [r.loadavg for r in records if r.loadavg is not None]
+    return {
+        "foreign_cores_mean": sum(loads) / len(loads) if loads else None,
+        "foreign_cores_max": max(loads) if loads else None,
+        "loadavg_max": max(avgs) if avgs else None,
+        "foreign_load_limit": FOREIGN_LOAD_LIMIT,
+        "noisy_rows": sum(bool(row.get("noisy")) for row in rows),
+        "rows": len(rows),
+    }
 
 
 def parse_comma_list(text: str, option: str, convert: Callable[[str], _T], what: str) -> list[_T]:
@@ -103,6 +125,14 @@ def parse_lengths(text: str) -> list[int]:
     "--quick",
     is_flag=True,
     help="512 tokens, 1 group per workload, vanilla and exact_spans (< 5 min on 2 cores).",
+)
+@click.option(
+    "--repeats",
+    default=DEFAULT_REPEATS,
+    show_default=True,
+    type=click.IntRange(1, 20),
+    help="Measurements of each probe on each system (systems interleaved per probe); the "
+    "first also measures quality.",
 )
 @click.option(
     "--lengths", default=None, help="Context lengths, comma-separated (default 512,1024,2048)."
@@ -169,6 +199,7 @@ def parse_lengths(text: str) -> list[int]:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def command(
     quick: bool,
+    repeats: int,
     lengths: str | None,
     groups: int | None,
     workload_names: str,
@@ -238,12 +269,15 @@ def command(
         servers = start_servers(chosen, model, server_args, out_dir, semblend_env)
         url_map = {s: srv.url for s, srv in servers.items()}
     clients = {s: ServerClient(url_map[s]) for s in chosen}
-    total = sum(requests_per_group(g, chosen) for w in workloads for g in w.groups)
+    total = sum(requests_per_group(g, chosen, repeats) for w in workloads for g in w.groups)
+    # Servers named by --url are not this process's children: their CPU time would read as
+    # foreign load, so the load is measured only for started servers.
+    meter = LoadMeter(srv.process.pid for srv in servers.values()) if servers else None
     try:
         for client in clients.values():  # first-request costs, not recorded
             client.generate(workloads[0].groups[0].probes[0].prompt_ids[:64], 1)
         with tqdm(total=total, desc="requests", unit="req") as bar:
-            runner = Runner(clients, flush=flush, progress=bar.update)
+            runner = Runner(clients, flush=flush, progress=bar.update, repeats=repeats, meter=meter)
             for workload in workloads:
                 for group in workload.groups:
                     bar.set_postfix_str(f"{workload.name} {workload.context_tokens}")
@@ -255,6 +289,13 @@ def command(
     for line in settings_lines(runner.configs):
         click.echo(line)
     click.echo(console_table(rows))
+    noise = run_noise(runner.records, rows)
+    if noise["foreign_cores_max"] is not None:
+        click.echo(
+            f"foreign load while measuring: mean {noise['foreign_cores_mean']:.2f}, max "
+            f"{noise['foreign_cores_max']:.2f} cores (flag above {FOREIGN_LOAD_LIMIT}); "
+            f"{noise['noisy_rows']} of {noise['rows']} rows noisy"
+        )
     json_path = json_path or out_dir / "e2e.json"
     plot_path = plot_path or out_dir / "e2e.png"
     report = {
@@ -264,6 +305,7 @@ def command(
             "quick": quick,
             "lengths": length_list,
             "groups": n_groups,
+            "repeats": repeats,
             "workloads": sorted({w.name for w in workloads}),
             "workload_file": None if workload_file is None else str(workload_file),
             "systems": chosen,
@@ -274,6 +316,7 @@ def command(
         },
         "semblend_config": runner.configs,
         "wall_s": time.monotonic() - started,
+        "noise": noise,
         "summary": rows,
         "records": [asdict(r) for r in runner.records],
     }

@@ -1,18 +1,26 @@
 """The e2e job's runner: sends every group to each system's server in the order the
-measurements need and keeps one :class:`ProbeRecord` per probe and kind.
+measurements need and keeps one :class:`ProbeRecord` per probe, kind and repeat.
 
-For each group, after ``/flush_cache`` on every server (unless flushing is off):
+Each group is measured ``repeats`` times; within a repeat, every probe is measured on every
+system before the next probe (systems interleaved per probe, so that a burst of load on the
+machine hits the systems it compares alike). For each probe, after ``/flush_cache`` on the
+server (unless flushing is off):
 
 - exact_spans / substitute / exact_spans_sglang_dispatch: the donors, then the probe
-  (``semantic``: TTFT and :data:`GREEDY_TOKENS` greedy tokens) and its reference logprobs. The
-  probe's outcome (materialized or not, ``declined:quality_gate`` among the reasons), reused and
-  recomputed tokens and the scheduler's time in semblend's hooks come from the server's own
-  counters (``GET /semblend/snapshot``) read before and after it. The settings each semblend
-  server resolved (the snapshot's ``config``) are read once, before its first group.
-- vanilla: the donors, then the probe (``prefix``: what SGLang's exact prefix cache gives it;
-  TTFT only); after a flush the probe alone (``cold``: TTFT, greedy tokens and the reference
-  logprobs, the quality baseline); after a flush the first ``c`` probe tokens then the probe
-  (``exact_same_length``: an exact hit of the length exact_spans did not compute).
+  (``semantic``). The probe's outcome (materialized or not, ``declined:quality_gate`` among the
+  reasons), reused and recomputed tokens and the scheduler's time in semblend's hooks come from
+  the server's own counters (``GET /semblend/snapshot``) read before and after it. The settings
+  each semblend server resolved (the snapshot's ``config``) are read once, before its first
+  group.
+- vanilla: the donors, then the probe (``prefix``: what SGLang's exact prefix cache gives it);
+  after a flush the probe alone (``cold``, the quality baseline); after a flush the first ``c``
+  probe tokens then the probe (``exact_same_length``: an exact hit of the length exact_spans did
+  not compute in the same repeat).
+
+Quality is deterministic (greedy, float32): the first repeat (``repeat`` 0) decodes
+:data:`GREEDY_TOKENS` tokens and reads the reference logprobs (and cold's margins); later
+repeats time the first token only. Every timed request also records the foreign load on the
+machine while it ran (:mod:`.machine_load`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .client import Answer, ServerClient
+from .machine_load import LoadMeter, LoadWindow
 from .systems import SEMBLEND_SYSTEMS
 from .workloads import BenchRequest, RequestGroup, Workload
 
@@ -63,6 +72,13 @@ class ProbeRecord:
     (how close the cold answer is to a different token there); empty on other runs."""
     label: str = ""
     donors: int = field(kw_only=True)
+    repeat: int = field(default=0, kw_only=True)
+    """Which repeat of the probe (0: the one that also measured quality)."""
+    foreign_cores: float | None = field(default=None, kw_only=True)
+    """Mean CPU cores used by processes outside the bench while the request ran
+    (:mod:`.machine_load`); None when not measured."""
+    loadavg: float | None = field(default=None, kw_only=True)
+    """The 1-minute load average read around the request; None when not measured."""
 
 
 def hook_ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
@@ -127,7 +143,9 @@ def outcome_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
 class Runner:
     """Sends every group of every workload to each system and records the probes
     (``records``) and the settings each semblend server resolved (``configs``: system ->
-    the snapshot's ``config``, None from a server that reports none; vanilla is absent)."""
+    the snapshot's ``config``, None from a server that reports none; vanilla is absent).
+    ``repeats``: how often each probe is measured (>= 1); ``meter``: reads the foreign load
+    around every timed request (None: not recorded)."""
 
     def __init__(
         self,
@@ -136,17 +154,33 @@ class Runner:
         greedy_tokens: int = GREEDY_TOKENS,
         flush: bool = True,
         progress: Callable[[int], None] = lambda n: None,
+        repeats: int = 1,
+        meter: LoadMeter | None = None,
     ) -> None:
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, not {repeats}")
         self.clients = clients
         self.greedy_tokens = greedy_tokens
         self.flush = flush
         self.progress = progress
+        self.repeats = repeats
+        self.meter = meter
         self.records: list[ProbeRecord] = []
         self.configs: dict[str, dict[str, Any] | None] = {}
 
     def _flush(self, client: ServerClient) -> None:
         if self.flush:
             client.flush()
+
+    def _generate(
+        self, client: ServerClient, ids: Sequence[int], tokens: int, margins: bool = False
+    ) -> tuple[Answer, LoadWindow | None]:
+        """One timed request, with the foreign load while it ran."""
+        before = self.meter.sample() if self.meter is not None else None
+        answer = client.generate(ids, tokens, margins=margins)
+        if self.meter is None or before is None:
+            return answer, None
+        return answer, self.meter.window(before, self.meter.sample())
 
     def _record(
         self,
@@ -155,9 +189,11 @@ class Runner:
         i: int,
         system: str,
         kind: str,
-        answer: Answer,
+        timed: tuple[Answer, LoadWindow | None],
+        repeat: int,
         **extra: Any,
     ) -> ProbeRecord:
+        answer, load = timed
         rec = ProbeRecord(
             workload=workload.name,
             label=group.probes[i].label,
@@ -173,6 +209,9 @@ class Runner:
             output_ids=list(answer.output_ids),
             text=answer.text,
             margins=list(answer.margins),
+            repeat=repeat,
+            foreign_cores=None if load is None else load.foreign_cores,
+            loadavg=None if load is None else load.loadavg,
             **extra,
         )
         self.records.append(rec)
@@ -184,79 +223,107 @@ class Runner:
             self.progress(1)
 
     def run_group(self, workload: Workload, group: RequestGroup) -> None:
-        """Measure one group on every system (semblend systems first: vanilla's
-        exact_same_length needs the exact_spans reuse length)."""
-        reused_len: dict[int, int] = {}
+        """Measure one group :attr:`repeats` times; in each repeat, each probe on every system
+        (semblend systems first: vanilla's exact_same_length needs the exact_spans reuse
+        length of the same repeat)."""
+        for system in SEMBLEND_SYSTEMS:
+            client = self.clients.get(system)
+            if client is not None and system not in self.configs:
+                self.configs[system] = client.config()
+        for repeat in range(self.repeats):
+            for i in range(len(group.probes)):
+                reused_len = self._semantic(workload, group, i, repeat)
+                self._vanilla(workload, group, i, repeat, reused_len)
+
+    def _semantic(self, workload: Workload, group: RequestGroup, i: int, repeat: int) -> int | None:
+        """Probe ``i`` on each semblend system; returns exact_spans' reused length (SGLang's
+        exact prefix plus what semblend reused), None when exact_spans did not run."""
+        probe = group.probes[i]
+        tokens = self.greedy_tokens if repeat == 0 else 1
+        reused_len: int | None = None
         for system in SEMBLEND_SYSTEMS:
             client = self.clients.get(system)
             if client is None:
                 continue
-            if system not in self.configs:
-                self.configs[system] = client.config()
             self._flush(client)
             self._send_donors(client, group)
-            for i, probe in enumerate(group.probes):
-                before = client.snapshot()
-                answer = client.generate(probe.prompt_ids, self.greedy_tokens)
-                after = client.snapshot()
-                outcome, reused = outcome_delta(before, after)
-                if system == "exact_spans":  # SGLang reports its exact prefix only
-                    reused_len[i] = answer.cached_tokens + reused
-                rec = self._record(
-                    workload,
-                    group,
-                    i,
-                    system,
-                    "semantic",
-                    answer,
-                    outcome=outcome,
-                    reused_tokens=reused,
-                    recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
-                    residual_deviation=residual_delta(before, after),
-                    hook_ms=hook_ms_delta(before, after),
-                )
-                rec.reference_logprobs = self._reference(client, probe)
-                self.progress(1)
-        client = self.clients.get("vanilla")
-        if client is None:
-            return
-        for i, probe in enumerate(group.probes):
-            if group.donors:
-                self._flush(client)
-                self._send_donors(client, group)
-                self._record(  # TTFT only: its output is not compared with anything
-                    workload,
-                    group,
-                    i,
-                    "vanilla",
-                    "prefix",
-                    client.generate(probe.prompt_ids, 1),
-                )
-                self.progress(1)
-            self._flush(client)
+            before = client.snapshot()
+            timed = self._generate(client, probe.prompt_ids, tokens)
+            after = client.snapshot()
+            outcome, reused = outcome_delta(before, after)
+            if system == "exact_spans":  # SGLang reports its exact prefix only
+                reused_len = timed[0].cached_tokens + reused
             rec = self._record(
                 workload,
                 group,
                 i,
-                "vanilla",
-                "cold",
-                client.generate(probe.prompt_ids, self.greedy_tokens, margins=True),
+                system,
+                "semantic",
+                timed,
+                repeat,
+                outcome=outcome,
+                reused_tokens=reused,
+                recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
+                residual_deviation=residual_delta(before, after),
+                hook_ms=hook_ms_delta(before, after),
             )
-            rec.reference_logprobs = self._reference(client, probe)
+            if repeat == 0:
+                rec.reference_logprobs = self._reference(client, probe)
             self.progress(1)
-            c = reused_len.get(i, 0)
-            if group.donors and 0 < c < len(probe.prompt_ids):
-                self._flush(client)
-                client.generate(probe.prompt_ids[:c], 1)
-                self._record(
-                    workload,
-                    group,
-                    i,
-                    "vanilla",
-                    "exact_same_length",
-                    client.generate(probe.prompt_ids, self.greedy_tokens),
-                )
-                self.progress(1)
+        return reused_len
+
+    def _vanilla(
+        self, workload: Workload, group: RequestGroup, i: int, repeat: int, reused: int | None
+    ) -> None:
+        """Probe ``i`` on vanilla: after its donors (``prefix``), cold, and the exact hit of
+        ``reused`` tokens (``exact_same_length``)."""
+        client = self.clients.get("vanilla")
+        if client is None:
+            return
+        probe = group.probes[i]
+        full = repeat == 0
+        tokens = self.greedy_tokens if full else 1
+        if group.donors:
+            self._flush(client)
+            self._send_donors(client, group)
+            # TTFT only: its output is not compared with anything
+            self._record(
+                workload,
+                group,
+                i,
+                "vanilla",
+                "prefix",
+                self._generate(client, probe.prompt_ids, 1),
+                repeat,
+            )
+            self.progress(1)
+        self._flush(client)
+        rec = self._record(
+            workload,
+            group,
+            i,
+            "vanilla",
+            "cold",
+            self._generate(client, probe.prompt_ids, tokens, margins=full),
+            repeat,
+        )
+        if full:
+            rec.reference_logprobs = self._reference(client, probe)
+        self.progress(1)
+        c = reused or 0
+        if group.donors and 0 < c < len(probe.prompt_ids):
+            self._flush(client)
+            client.generate(probe.prompt_ids[:c], 1)
+            self._record(
+                workload,
+                group,
+                i,
+                "vanilla",
+                "exact_same_length",
+                self._generate(client, probe.prompt_ids, tokens),
+                repeat,
+            )
+            self.progress(1)
 
     def _reference(self, client: ServerClient, probe: BenchRequest) -> list[float]:
         if not probe.reference_ids:
@@ -264,8 +331,9 @@ class Runner:
         return client.reference_logprobs(probe.prompt_ids, probe.reference_ids)
 
 
-def requests_per_group(group: RequestGroup, systems: Sequence[str]) -> int:
-    """How many progress steps :meth:`Runner.run_group` reports for ``group``."""
+def requests_per_group(group: RequestGroup, systems: Sequence[str], repeats: int = 1) -> int:
+    """How many progress steps :meth:`Runner.run_group` reports for ``group`` measured
+    ``repeats`` times."""
     n = 0
     probes = len(group.probes)
     donors = len(group.donors)
@@ -274,4 +342,4 @@ def requests_per_group(group: RequestGroup, systems: Sequence[str]) -> int:
             n += donors + probes
     if "vanilla" in systems:
         n += probes * (1 + (donors + 2 if donors else 0))
-    return n
+    return n * repeats

@@ -1,9 +1,13 @@
 """The e2e job's summary: probe records reduced to rows, one per workload and context length
 or, for a user's workload file (``by_label``), one per workload, probe ``label`` and context
-length. A row holds TTFT percentiles per system and kind, server-confirmed hits and reuse per
-semblend system, quality against the cold run of the same probe, the recompute settings the
-system's server resolved and what its recompute budget and quality gate did, and on control
-rows (no probe in the row has a donor) the miss overhead.
+length. A row holds TTFT median, p90 and range per system and kind over every repeat,
+server-confirmed hits and reuse per semblend system, quality against the cold run of the same
+probe (first repeat), the recompute settings the system's server resolved and what its recompute
+budget and quality gate did, and on control rows (no probe in the row has a donor) the miss
+overhead. Ratios (spans/exact, speed-up over cold, miss overhead) are medians of per-probe paired
+ratios: both requests of a pair measured in the same repeat of the same probe. A row is
+``noisy`` when a paired ratio's range exceeds :data:`NOISY_SPREAD` of its median or another
+process took more than :data:`.machine_load.FOREIGN_LOAD_LIMIT` cores while it was measured.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
+from .machine_load import FOREIGN_LOAD_LIMIT
 from .metrics import (
     divergence_margin,
     first_divergence,
     greedy_agreement,
-    miss_overhead,
     percentile,
     ppl_ratio,
     rouge_l,
@@ -44,7 +48,24 @@ repeat as ``{system}_{setting}``; None where the server did not report one (an o
 QUALITY_GATE = "quality_gate"
 """The decline reason of a reuse the quality gate turned into a full recompute."""
 
+NOISY_SPREAD = 0.25
+"""A paired ratio whose range (max - min) exceeds this share of its median flags its row as
+noisy (docs/bench.md, "Noise")."""
+
+PAIRED_RATIOS: tuple[tuple[str, tuple[str, str], tuple[str, str], str], ...] = (
+    (
+        "exact_spans_over_exact",
+        ("exact_spans", "semantic"),
+        ("vanilla", "exact_same_length"),
+        "spans/exact",
+    ),
+    ("exact_spans_speedup", ("vanilla", "cold"), ("exact_spans", "semantic"), "speed-up"),
+)
+"""(summary key, numerator, denominator, name in a noise reason): per-probe paired TTFT ratios
+of every row; the miss overhead is paired the same way on control rows."""
+
 _Key = tuple[str, str | None, int]
+_Pair = tuple[str, int, int]
 
 
 def row_name(row: dict[str, Any]) -> str:
@@ -73,8 +94,73 @@ def _ttft_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
         name = kind if system == "vanilla" else system
         out[f"{name}_ms_p50"] = percentile(ttfts, 50) if ttfts else None
         out[f"{name}_ms_p90"] = percentile(ttfts, 90) if ttfts else None
+        out[f"{name}_ms_min"] = min(ttfts) if ttfts else None
+        out[f"{name}_ms_max"] = max(ttfts) if ttfts else None
         out[f"{name}_n"] = len(ttfts)
     return out
+
+
+def _ttft_by_pair(mine: Sequence[ProbeRecord], system: str, kind: str) -> dict[_Pair, float]:
+    return {
+        (r.group_id, r.probe, r.repeat): r.ttft_s
+        for r in mine
+        if r.system == system and r.kind == kind
+    }
+
+
+def paired_ratios(
+    mine: Sequence[ProbeRecord], num: tuple[str, str], den: tuple[str, str]
+) -> list[float]:
+    """TTFT of ``num`` over TTFT of ``den`` ((system, kind) each) for every (group, probe,
+    repeat) measured on both, in record order."""
+    a = _ttft_by_pair(mine, *num)
+    b = _ttft_by_pair(mine, *den)
+    return [a[k] / b[k] for k in a if k in b and b[k] > 0]
+
+
+def _ratio_columns(key: str, ratios: Sequence[float], offset: float = 0.0) -> dict[str, Any]:
+    """``key`` (median), ``key_min``, ``key_max`` and ``key_n`` of ``ratios`` minus
+    ``offset`` (1 for an overhead); None when there are none."""
+    if not ratios:
+        return {key: None, f"{key}_min": None, f"{key}_max": None, f"{key}_n": 0}
+    return {
+        key: percentile(ratios, 50) - offset,
+        f"{key}_min": min(ratios) - offset,
+        f"{key}_max": max(ratios) - offset,
+        f"{key}_n": len(ratios),
+    }
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """``(max - min) / median`` of positive ``values`` (0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    mid = percentile(values, 50)
+    return (max(values) - min(values)) / mid if mid > 0 else float("inf")
+
+
+def noise_columns(mine: Sequence[ProbeRecord], ratios: dict[str, list[float]]) -> dict[str, Any]:
+    """``noisy``, ``noisy_why`` (one line; None when not noisy) and ``foreign_cores_max`` of a
+    row: noisy when a paired ratio in ``ratios`` (name -> values) ranges over more than
+    :data:`NOISY_SPREAD` of its median, or another process used more than
+    :data:`FOREIGN_LOAD_LIMIT` cores during one of the row's requests."""
+    why: list[str] = []
+    for name, values in ratios.items():
+        spread = relative_spread(values)
+        if spread > NOISY_SPREAD:
+            why.append(
+                f"{name} ranges {min(values):.2f}-{max(values):.2f} over {len(values)} pairs "
+                f"({spread:.0%} of its median)"
+            )
+    loads = [r.foreign_cores for r in mine if r.foreign_cores is not None]
+    worst = max(loads) if loads else None
+    if worst is not None and worst > FOREIGN_LOAD_LIMIT:
+        why.append(f"other processes used up to {worst:.2f} cores during its requests")
+    return {
+        "noisy": bool(why),
+        "noisy_why": "; ".join(why) if why else None,
+        "foreign_cores_max": worst,
+    }
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -96,7 +182,9 @@ def _system_columns(
     out[f"{system}_hit_rate"] = len(hits) / len(probes)
     reused = sum(r.reused_tokens or 0 for r in probes)
     out[f"{system}_reused_fraction"] = reused / max(1, sum(r.prompt_tokens for r in probes))
-    out.update(_recompute_columns(system, probes, reused, config))
+    probes = [r for r in probes if r.repeat == 0]  # counts and quality: the decoding repeat
+    first_reused = sum(r.reused_tokens or 0 for r in probes)
+    out.update(_recompute_columns(system, probes, first_reused, config))
     ratios: list[float] = []
     agreements: list[tuple[bool, float]] = []
     rouges: list[tuple[bool, float]] = []
@@ -126,12 +214,11 @@ def _system_columns(
         out[f"{system}_{name}"] = _mean([v for _, v in values])
         out[f"{system}_{name}_hits"] = _mean([v for hit, v in values if hit])
     if control:
+        pairs = paired_ratios(mine, (system, "semantic"), ("vanilla", "cold"))
+        if pairs:
+            out.update(_ratio_columns(f"{system}_miss_overhead", pairs, offset=1.0))
         cold_ttfts = [1000 * r.ttft_s for r in mine if r.system == "vanilla" and r.kind == "cold"]
-        if cold_ttfts:
-            out[f"{system}_miss_overhead"] = miss_overhead(
-                [1000 * r.ttft_s for r in probes], cold_ttfts
-            )
-        hook = [r.hook_ms for r in probes if r.hook_ms is not None]
+        hook = [r.hook_ms for r in mine if r.system == system and r.hook_ms is not None]
         if hook and cold_ttfts:
             out[f"{system}_miss_hook_ms"] = percentile(hook, 50)
             out[f"{system}_miss_overhead_in_scheduler"] = percentile(hook, 50) / percentile(
@@ -193,7 +280,9 @@ def summarize(
             and (label is None or r.label == label)
         ]
         cold_of = {
-            (r.group_id, r.probe): r for r in mine if r.system == "vanilla" and r.kind == "cold"
+            (r.group_id, r.probe): r
+            for r in mine
+            if r.system == "vanilla" and r.kind == "cold" and r.repeat == 0
         }
         control = all(r.donors == 0 for r in mine)
         row: dict[str, Any] = {
@@ -213,13 +302,20 @@ def summarize(
             for r in mine
             if r.system == "vanilla"
             and r.kind == "exact_same_length"
+            and r.repeat == 0
             and (r.group_id, r.probe) in cold_of
         ]
         # The noise floor: the same prompt, cached vs not, on the same server.
         row["exact_greedy_agreement"] = sum(exact_agree) / len(exact_agree) if exact_agree else None
-        if row.get("exact_spans_ms_p50") and row.get("exact_same_length_ms_p50"):
-            row["exact_spans_over_exact"] = (
-                row["exact_spans_ms_p50"] / row["exact_same_length_ms_p50"]
+        spread: dict[str, list[float]] = {}
+        for key, num, den, name in PAIRED_RATIOS:
+            ratios = paired_ratios(mine, num, den)
+            row.update(_ratio_columns(key, ratios))
+            spread[name] = ratios
+        if control:
+            spread["miss TTFT ratio"] = paired_ratios(
+                mine, ("exact_spans", "semantic"), ("vanilla", "cold")
             )
+        row.update(noise_columns(mine, spread))
         rows.append(row)
     return rows

@@ -71,12 +71,13 @@ def write_json(path: str | Path, data: Any) -> Path:
 
 
 TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
-    ("cold", 7, "cold_ms_p50", ".0f", 1),
-    ("prefix", 7, "prefix_ms_p50", ".0f", 1),
-    ("exact", 7, "exact_same_length_ms_p50", ".0f", 1),
-    ("spans", 7, "exact_spans_ms_p50", ".0f", 1),
-    ("subst", 7, "substitute_ms_p50", ".0f", 1),
-    ("sp/ex", 6, "exact_spans_over_exact", ".2f", 1),
+    ("cold", 10, "cold_ms_p50", ".0f", 1),
+    ("prefix", 10, "prefix_ms_p50", ".0f", 1),
+    ("exact", 10, "exact_same_length_ms_p50", ".0f", 1),
+    ("spans", 10, "exact_spans_ms_p50", ".0f", 1),
+    ("subst", 10, "substitute_ms_p50", ".0f", 1),
+    ("sp/ex", 9, "exact_spans_over_exact", ".2f", 1),
+    ("speedup", 9, "exact_spans_speedup", ".1f", 1),
     ("hit%", 5, "exact_spans_hit_rate", ".0f", 100),
     ("reuse%", 6, "exact_spans_reused_fraction", ".0f", 100),
     ("ppl", 6, "exact_spans_ppl_ratio", ".3f", 1),
@@ -85,30 +86,50 @@ TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
     ("ex agree", 8, "exact_greedy_agreement", ".2f", 1),
     ("sub hit%", 8, "substitute_hit_rate", ".0f", 100),
     ("sub agree", 9, "substitute_greedy_agreement", ".2f", 1),
-    ("miss ovh", 8, "exact_spans_miss_overhead", "+.1f", 100),
+    ("miss ovh", 10, "exact_spans_miss_overhead", "+.1f", 100),
     ("hook ovh", 8, "exact_spans_miss_overhead_in_scheduler", ".3f", 100),
-    ("sgl-dp", 7, f"{SGLANG_DISPATCH}_ms_p50", ".0f", 1),
+    ("sgl-dp", 10, f"{SGLANG_DISPATCH}_ms_p50", ".0f", 1),
     ("sgl-dp hit%", 11, f"{SGLANG_DISPATCH}_hit_rate", ".0f", 100),
     ("recompute", 13, "exact_spans_recompute", "s", 1),
     ("recomp%", 7, "exact_spans_recompute_share", ".0f", 100),
     ("gated", 5, "exact_spans_gate_declines", "d", 1),
+    ("noise", 5, "noisy", "s", 1),
 )
 """Console table columns after the row name and context length: (header, width, summary key,
 format, scale: 100 shows a fraction as a percentage). ``exact_spans_recompute`` is not a
-summary key: :func:`console_table` fills it with :func:`recompute_label`."""
+summary key: :func:`console_table` fills it with :func:`recompute_label`. A TTFT median
+(``*_ms_p50``) or paired ratio with a range in the row is followed by its spread
+(:func:`spread_label`)."""
 
 TABLE_LEGEND = (
-    "TTFT p50 in ms. prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the "
-    "length exact_spans reused; sp/ex: spans/exact; hit%, reuse%: server-confirmed "
-    "(exact_spans); ppl: PPL ratio vs cold; agree: first-32-token greedy agreement; "
-    "ex agree: the same for the exact hit (noise floor); miss ovh:"
-    " control-set TTFT vs vanilla cold, %; hook ovh: semblend's own time in the scheduler"
-    " during a control probe, % of vanilla cold TTFT; sgl-dp, sgl-dp hit%: TTFT and"
+    "TTFT median in ms over every repeat, then ±half its range (max - min) as % of the median. "
+    "prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the length exact_spans "
+    "reused; sp/ex: spans/exact and speedup: cold/spans, medians of per-probe paired ratios "
+    "(±half range, %); hit%, reuse%: server-confirmed (exact_spans); ppl: PPL ratio vs cold; "
+    "agree: first-32-token greedy agreement; ex agree: the same for the exact hit (noise "
+    "floor); miss ovh: control-set TTFT vs vanilla cold, median of paired ratios, % (±half "
+    "range, points); hook ovh: semblend's own time in the scheduler during a control probe, % "
+    "of vanilla cold TTFT (the miss overhead's headline); sgl-dp, sgl-dp hit%: TTFT and"
     f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch);"
     " recompute: the recompute strategy and ratio exact_spans' server resolved (? when it did"
     " not report them); recomp%: reused positions it recomputed, % of reused + recomputed;"
-    " gated: probes its quality gate declined."
+    " gated: probes its quality gate declined; noise: ! when the row's spread is large or"
+    " another process took CPU while it ran (why: below the table), else ok."
 )
+
+
+def spread_label(row: Mapping[str, Any], key: str) -> str:
+    """The spread that follows ``key``'s median in a table cell: ``±N%`` (half the range as a
+    share of the median) for a TTFT median (``*_ms_p50`` with ``*_ms_min``/``*_ms_max``) or a
+    paired ratio (``key_min``/``key_max``); ``±N`` percentage points for an overhead
+    (``*_miss_overhead``); empty when the row has no range for ``key``."""
+    base = key[: -len("_p50")] if key.endswith("_ms_p50") else key
+    lo, hi, mid = row.get(f"{base}_min"), row.get(f"{base}_max"), row.get(key)
+    if lo is None or hi is None or mid is None:
+        return ""
+    if key.endswith("_miss_overhead"):
+        return f"±{50 * (hi - lo):.0f}"
+    return f"±{50 * (hi - lo) / mid:.0f}%" if mid > 0 else ""
 
 
 def recompute_label(row: Mapping[str, Any], system: str = "exact_spans") -> str | None:
@@ -146,10 +167,12 @@ def settings_lines(configs: Mapping[str, Mapping[str, Any] | None]) -> list[str]
 
 
 def _cell(value: Any, spec: str, scale: int) -> str:
-    """``value`` (times ``scale``) formatted with ``spec`` when a float, ``-`` when None, else
-    ``str``."""
+    """``value`` (times ``scale``) formatted with ``spec`` when a float, ``-`` when None, ``!``
+    for True and ``ok`` for False (the noise flag), else ``str``."""
     if value is None:
         return "-"
+    if isinstance(value, bool):
+        return "!" if value else "ok"
     if scale != 1:
         value = scale * value
     if isinstance(value, float):
@@ -160,7 +183,8 @@ def _cell(value: Any, spec: str, scale: int) -> str:
 def console_table(rows: Sequence[dict[str, Any]]) -> str:
     """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
     line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
-    :data:`TABLE_LEGEND`. A cell with no value shows ``-``."""
+    :data:`TABLE_LEGEND`, then one line per noisy row saying why. A cell with no value shows
+    ``-``."""
     width = max([18, *(len(row_name(r)) for r in rows)])
     head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
         f" {title:>{w}s}" for title, w, *_ in TABLE_COLUMNS
@@ -169,8 +193,12 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         r = {**row, "exact_spans_recompute": recompute_label(row)}
         cells = "".join(
-            f" {_cell(r.get(key), spec, scale):>{w}s}" for _, w, key, spec, scale in TABLE_COLUMNS
+            f" {_cell(r.get(key), spec, scale) + spread_label(r, key):>{w}s}"
+            for _, w, key, spec, scale in TABLE_COLUMNS
         )
         lines.append(f"{row_name(r):{width}s} {r['context_tokens']:5d}{cells}")
     lines.append(TABLE_LEGEND)
+    for row in rows:
+        if row.get("noisy"):
+            lines.append(f"noisy: {row_name(row)} {row['context_tokens']}: {row['noisy_why']}")
     return "\n".join(lines)
