@@ -49,6 +49,7 @@ class Reason(enum.StrEnum):
     RANK_DISAGREEMENT = "rank_disagreement"
     QUALITY_GATE = "quality_gate"
     UNSUPPORTED_MODEL = "unsupported_model"
+    OPTED_OUT = "opted_out"
     OTHER = "other"
 
 

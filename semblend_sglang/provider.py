@@ -177,6 +177,12 @@ class SemanticProvider:
             return decision
         return self.decisions.keep(request_id, decision)
 
+    def decline_request(self, request_id: Hashable, reason: str) -> Decision:
+        """Decide ``request_id`` as declined with ``reason`` without a lookup (the request asked
+        for no reuse): kept and recorded like a lookup's decline, once per request id; a
+        request already decided keeps its first decision. Never raises."""
+        return self.decisions.keep(request_id, Decision.decline(reason))
+
     def release(self, request_id: Hashable) -> None:
         """Forget the cached decision of a finished request. A plan whose outcome the engine did
         not report is counted as declined (``unreported``). Never raises."""

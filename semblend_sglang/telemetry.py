@@ -26,6 +26,7 @@ SERIES = {
     "recomputed_tokens": "semblend_recomputed_tokens_total",
     "lookup_seconds": "semblend_lookup_seconds",
     "hook_seconds": "semblend_hook_seconds",
+    "copy_seconds": "semblend_copy_seconds",
     "donors": "semblend_donors",
     "errors": "semblend_errors_total",
     "similarity": "semblend_discovery_similarity",
@@ -33,6 +34,8 @@ SERIES = {
 """Prometheus series names (counters are exposed with the ``_total`` suffix shown)."""
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
+
+_COPY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 _shared_lock = threading.Lock()
 _shared_metrics: dict[int, dict[str, Any]] = {}
@@ -95,6 +98,13 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
                 "Time spent in semblend code inside the engine's hooks (lookups included).",
                 registry=reg,
             ),
+            "copy_seconds": Histogram(
+                "semblend_copy_seconds",
+                "Donor K/V copy time per prefill batch (gather, RoPE rotation and scatter of "
+                "every span the batch reuses; the device is synchronized before it ends).",
+                buckets=_COPY_BUCKETS,
+                registry=reg,
+            ),
             "donors": Gauge(
                 "semblend_donors",
                 "Donors in the index.",
@@ -114,6 +124,13 @@ def _metrics_for(registry: Any) -> dict[str, Any] | None:
                 registry=reg,
             ),
         }
+        # The closed label sets start at 0, so that every outcome and reason is a series from
+        # the first scrape (rates and dashboards need no first event; in SGLang's multiprocess
+        # registry a label value that was never written is not exported at all).
+        for outcome in OUTCOMES:
+            metrics["requests"].labels(outcome=outcome)
+        for reason in sorted(_REASONS):
+            metrics["declined"].labels(reason=reason)
         _shared_metrics[id(reg)] = metrics
         return metrics
 
@@ -145,6 +162,8 @@ class Telemetry:
         self._lookup_seconds = 0.0
         self._hook_calls = 0
         self._hook_seconds = 0.0
+        self._copies = 0
+        self._copy_seconds = 0.0
         self._donors = 0
 
     def record_outcome(
@@ -206,6 +225,15 @@ class Telemetry:
         if self._metrics is not None:
             self._metrics["hook_seconds"].inc(seconds)
 
+    def observe_copy(self, seconds: float) -> None:
+        """Record one prefill batch's donor K/V copy (the engine adapter, after the copy's
+        device work finished)."""
+        with self._lock:
+            self._copies += 1
+            self._copy_seconds += seconds
+        if self._metrics is not None:
+            self._metrics["copy_seconds"].observe(seconds)
+
     def observe_similarity(self, value: float) -> None:
         """Record the embedding similarity of a discovered donor."""
         if self._metrics is not None:
@@ -228,7 +256,8 @@ class Telemetry:
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict copy of this object's counts: outcomes, declined reasons, reused tokens,
         spans and donors (and requests that read more than one donor), recomputed tokens,
-        lookups, mean lookup milliseconds, hook calls and seconds, donors, errors."""
+        lookups, mean lookup milliseconds, hook calls and seconds, batch copies and their seconds,
+        donors, errors."""
         with self._lock:
             return {
                 "outcomes": dict(self._outcomes),
@@ -245,6 +274,8 @@ class Telemetry:
                 else 0.0,
                 "hook_calls": self._hook_calls,
                 "hook_seconds": self._hook_seconds,
+                "copies": self._copies,
+                "copy_seconds": self._copy_seconds,
                 "donors": self._donors,
                 "errors": dict(sorted(self._errors.items())),
             }

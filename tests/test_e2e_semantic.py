@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.server import SglangServer, http_json
+from tests.conftest import REPO_ROOT
 from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
@@ -54,12 +55,16 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _generate(
-    url: str, ids: list[int], max_new_tokens: int = 8, cache_salt: str | None = None
+    url: str,
+    ids: list[int],
+    max_new_tokens: int = 8,
+    cache_salt: str | None = None,
+    custom_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-    }
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    if custom_params is not None:
+        sampling["custom_params"] = custom_params
+    payload: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling}
     if cache_salt is not None:
         payload["cache_salt"] = cache_salt
     result: dict[str, Any] = http_json(url + "/generate", payload)
@@ -189,3 +194,80 @@ def _snapshot(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/semblend/snapshot", timeout=30) as resp:
         data: dict[str, Any] = json.loads(resp.read())
     return data
+
+
+def test_a_request_that_opts_out_is_served_cold_on_both_apis(
+    server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
+) -> None:
+    """``custom_params: {"semblend_reuse": false}`` (``/generate``) or ``"off"`` (the
+    OpenAI-compatible API's ``extra_body``): no reuse although a donor is there, counted as
+    ``declined:opted_out``, and the answer is the cold run's."""
+    enc = smollm2_tokenizer.encode
+    doc = enc(essay_texts[6], add_special_tokens=False)[:900]
+    _generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc)  # the donor
+    target = enc(INSTRUCTIONS[2], add_special_tokens=False) + doc
+    before = _metrics(server.url)
+    off = _generate(server.url, target, 16, custom_params={"semblend_reuse": False})
+    after = _metrics(server.url)
+    opted = 'semblend_declined_total{reason="opted_out"}'
+    assert after[opted] - before.get(opted, 0.0) == 1
+    assert _outcome(after, "materialized") == _outcome(before, "materialized")
+    assert _copied(after) == _copied(before)  # nothing read from the donor
+    cold = _generate(server.url, target, 16, cache_salt="opt-out-cold")
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert off["output_ids"] == cold["output_ids"]
+
+    (model,) = [m["id"] for m in http_json(server.url + "/v1/models")["data"]]
+    body = {
+        "model": model,
+        "prompt": target,
+        "max_tokens": 4,
+        "temperature": 0,
+        "custom_params": {"semblend_reuse": "off"},  # what extra_body adds to the JSON
+    }
+    answer = http_json(server.url + "/v1/completions", body)
+    assert answer["choices"][0]["text"]
+    assert _metrics(server.url)[opted] - after[opted] == 1
+    # without the key the same request reuses the donor
+    plain = _metrics(server.url)
+    http_json(server.url + "/v1/completions", {**body, "custom_params": None})
+    assert _outcome(_metrics(server.url), "materialized") == _outcome(plain, "materialized") + 1
+
+
+ONLY_AFTER_FIRST_EVENT = frozenset({"semblend_errors_total"})
+"""Series of the dashboard with an open label set (``where``): exported from their first
+increment on, which a healthy server never makes. The test checks them against the declared
+series instead (telemetry.SERIES)."""
+
+
+def test_every_grafana_panel_reads_series_the_server_exports(server: SglangServer) -> None:
+    from semblend_sglang.telemetry import SERIES
+
+    dashboard = json.loads((REPO_ROOT / "docs" / "grafana-semblend.json").read_text())
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+    exported = {
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    declared = set(SERIES.values())
+    seen: set[str] = set()
+    for panel in dashboard["panels"]:
+        exprs = [t["expr"] for t in panel["targets"]]
+        names = {n for e in exprs for n in re.findall(r"\b(?:semblend_|sglang:)[A-Za-z0-9_:]+", e)}
+        assert names, panel["title"]
+        for name in names:
+            seen.add(name)
+            if name in ONLY_AFTER_FIRST_EVENT:
+                assert name in declared, (panel["title"], name)
+            else:
+                assert name in exported, (panel["title"], name)
+    # the dashboard covers hit rate, reused tokens, outcomes by reason, lookup and copy time
+    for needed in (
+        "semblend_requests_total",
+        "semblend_reused_tokens_total",
+        "semblend_declined_total",
+        "semblend_lookup_seconds_bucket",
+        "semblend_copy_seconds_bucket",
+    ):
+        assert needed in seen, needed

@@ -256,6 +256,39 @@ def test_a_recipient_holds_the_prompt_it_did_not_publish_as_donor_kv(
     check_invariants(h)
 
 
+def test_a_request_that_opts_out_is_never_planned_and_still_donates(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """``custom_params={"semblend_reuse": false}`` (or ``"off"``, or a value it does not know):
+    no plan although a donor is resident, one ``declined:opted_out`` outcome per request; its
+    own prompt is still a donor for others. ``"on"`` leaves the server's setting."""
+    runtime = adapter.runtime
+    h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
+    doc, other = document(passages, 0, 8), document(passages, 2, 8)
+    h.submit(instructions[0] + doc)
+    h.run_until_idle()
+    outs = [
+        h.submit(instructions[1 + k] + doc, max_new_tokens=2, custom_params={"semblend_reuse": v})
+        for k, v in enumerate((False, "off", "maybe"))
+    ]
+    own = h.submit(instructions[4] + other, custom_params={"semblend_reuse": False})
+    h.run_until_idle()
+    snap = runtime.snapshot()
+    assert all(r.finished() and r.rid not in runtime.requests for r in [*outs, own])
+    assert snap["declined"].get(Reason.OPTED_OUT) == 4
+    assert snap["outcomes"]["materialized"] == 0 and snap["reused_tokens"] == 0
+    later = h.submit(instructions[2] + other, custom_params={"semblend_reuse": "on"})
+    h.run_until_idle()
+    snap = runtime.snapshot()
+    assert later.finished() and snap["outcomes"]["materialized"] == 1, snap["declined"]
+    assert snap["reused_tokens"] > len(other) // 2  # from the opted-out request's prompt
+    check_invariants(h, full_kv=True)
+    assert_drained(h)
+
+
 def test_cache_reset_forgets_every_donor(
     adapter: Any,
     model_config: Any,

@@ -21,7 +21,7 @@ from semblend_sglang.plan import Reason
 from . import attention, one_pass
 from .adapter import Originals, SglangAdapter, Wrappers, install_wrappers, restore
 from .one_pass import BatchFields, DonorSlots
-from .request_info import eligible, namespace_for, served_model_path
+from .request_info import eligible, namespace_for, opted_out, served_model_path
 from .runtime import RequestReuse, SemblendRuntime
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class HookedAdapter(SglangAdapter):
             return None
         if not self.config.enabled or self.config.mode == "substitute" or not eligible(req):
             return None  # substitute mode decides at arrival
+        if opted_out(req):
+            runtime.opt_out(rid)
+            return None
         usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
         namespace = namespace_for(req)
         decision = runtime.lookup(

@@ -27,6 +27,7 @@ adapter's for 0.5.15 - 0.5.18).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +142,11 @@ def load_batch_spans(
     try:
         loads = _collect(runtime, batch, fields)
         if loads:
-            _match_and_copy(cache, loads, match_donor, spec, fields, runtime.forward_stream)
+            seconds = _match_and_copy(
+                cache, loads, match_donor, spec, fields, runtime.forward_stream
+            )
+            if seconds is not None:
+                runtime.observe_copy(seconds)
     except Exception as exc:
         if not peers:
             raise
@@ -169,10 +174,10 @@ def _match_and_copy(
     spec: Any,
     fields: BatchFields,
     forward_stream: Any = None,
-) -> None:
+) -> float | None:
     """Find each load's donors and copy their spans (all in one kernel launch, ordered after
-    ``forward_stream``); fills ``load.copied`` and ``load.missed``. Raises before the copy with
-    nothing copied."""
+    ``forward_stream``); fills ``load.copied`` and ``load.missed``. Returns the copy's seconds
+    (None: nothing was copied). Raises before the copy with nothing copied."""
     receipts: list[Any] = []
     src_parts: list[torch.Tensor] = []
     dst_parts: list[torch.Tensor] = []
@@ -201,8 +206,11 @@ def _match_and_copy(
                     dst_parts.append(row[s.target_start : s.target_end].to(torch.int64))
                     delta_parts.append(torch.full((s.length,), s.delta, dtype=torch.int64))
                     load.copied.append((s, donor))
-        if src_parts:
-            _copy(cache, src_parts, dst_parts, delta_parts, spec, forward_stream)
+        if not src_parts:
+            return None
+        started = time.perf_counter()
+        _copy(cache, src_parts, dst_parts, delta_parts, spec, forward_stream)
+        return time.perf_counter() - started
     finally:
         for receipt in receipts:
             fields.unlock(cache, receipt)

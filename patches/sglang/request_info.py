@@ -6,9 +6,21 @@ request object of a supported sglang version, imports sglang lazily.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from semblend_sglang.namespace import Namespace
+
+logger = logging.getLogger(__name__)
+
+REUSE_PARAM = "semblend_reuse"
+"""The ``custom_params`` key (``sampling_params.custom_params`` of ``/generate``; ``extra_body=
+{"custom_params": ...}`` of the OpenAI-compatible API) by which a request opts out of semantic
+reuse: ``false`` or ``"off"``. ``true``, ``"on"`` or no key: the server's setting."""
+
+_REUSE_ON = (True, "on")
+_REUSE_OFF = (False, "off")
+_warned_values: set[str] = set()
 
 
 def server_args() -> Any:
@@ -58,3 +70,27 @@ def eligible(req: Any) -> bool:
         and getattr(req, "session", None) is None
         and not (hasattr(req, "is_dllm") and req.is_dllm())
     )
+
+
+def opted_out(req: Any) -> bool:
+    """True when ``req`` asked for no semantic reuse (:data:`REUSE_PARAM` is ``false`` or
+    ``"off"``). Any other value than those and ``true``/``"on"`` also opts out (a client that
+    sets the key meant something) and is logged once per value. An opted-out request is never
+    planned; it still donates (its KV is a cold prefill's). Never raises."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    if not isinstance(params, dict) or REUSE_PARAM not in params:
+        return False
+    value = params[REUSE_PARAM]
+    if any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_ON):
+        return False
+    if not any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_OFF):
+        shown = repr(value)[:80]
+        if shown not in _warned_values:
+            _warned_values.add(shown)
+            logger.warning(
+                'semblend: custom_params %s=%s is not one of true, false, "on", "off"; '
+                "the request is served without semantic reuse",
+                REUSE_PARAM,
+                shown,
+            )
+    return True

@@ -187,6 +187,11 @@ class SemblendRuntime:
             namespace, tokens, exact_len, rid, page_size=page_size, alive=alive
         )
 
+    def opt_out(self, rid: str) -> None:
+        """Request ``rid`` asked for no semantic reuse: decided as ``declined:opted_out`` once
+        (its outcome counted), never planned; it still donates."""
+        self.provider.decline_request(rid, Reason.OPTED_OUT)
+
     def settle(self, rid: str) -> None:
         """``rid`` was decided outside the match hooks (substitute mode at arrival): they leave it
         alone until it is released."""
@@ -246,6 +251,10 @@ class SemblendRuntime:
         """No further span of ``rid`` is materialized; record its outcome: materialized, or
         ``declined:quality_gate`` when the gate had every copied position recomputed."""
         self._stop_after_reuse(rid)
+
+    def observe_copy(self, seconds: float) -> None:
+        """One prefill batch's donor K/V copy took ``seconds`` (device work included)."""
+        self.provider.telemetry.observe_copy(seconds)
 
     def count_recomputed(self, tokens: int) -> None:
         """``tokens`` reused positions were recomputed by the scheduler (span heads)."""

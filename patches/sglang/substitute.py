@@ -16,7 +16,7 @@ from typing import Any
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 
-from .request_info import eligible, namespace_for
+from .request_info import eligible, namespace_for, opted_out
 from .runtime import SemblendRuntime
 
 CachedLen = Callable[[Any, Namespace], int]
@@ -55,6 +55,9 @@ def substitute_request(
     """
     rid = req.rid
     if not runtime.config.enabled or not eligible(req) or runtime.is_tracked(rid):
+        return
+    if opted_out(req):
+        runtime.opt_out(rid)
         return
     tokens = req.origin_input_ids
     namespace = namespace_for(req)

@@ -266,12 +266,16 @@ class CacheHarness(ABC):
         max_new_tokens: int = 1,
         extra_key: str | None = None,
         cache_salt: str | None = None,
+        custom_params: dict[str, Any] | None = None,
     ) -> Any:
-        """Queue a real `Req` (greedy) as `Scheduler.handle_generate_request` would; return it."""
+        """Queue a real `Req` (greedy) as `Scheduler.handle_generate_request` would; return it.
+        ``custom_params``: the request's ``sampling_params.custom_params``."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        sp = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+        sp = SamplingParams(
+            temperature=0, max_new_tokens=max_new_tokens, custom_params=custom_params
+        )
         sp.normalize(None)  # as TokenizerManager does; no stop strings, so no tokenizer use
         req = Req(
             rid=self.rid_format.format(self._next_rid),

@@ -1,0 +1,35 @@
+"""The time-budget plugin of ``make test`` (tests/time_budget.py), run on a small suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.time_budget import slowest
+
+pytest_plugins = ["pytester"]
+
+
+def test_slowest_sorts_longest_first_and_keeps_n() -> None:
+    times = {"a": 1.0, "b": 3.0, "c": 2.0}
+    assert slowest(times, 2) == [("b", 3.0), ("c", 2.0)]
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A suite of two tests, one of them 0.3 s, under a budget of 0.1 s."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    pytester.makeconftest("import tests.time_budget as budget\nbudget.BUDGET_S = 0.1\n")
+    pytester.makepyfile(
+        "import time\n\ndef test_slow():\n    time.sleep(0.3)\n\ndef test_fast():\n    pass\n"
+    )
+    return pytester
+
+
+def test_a_suite_over_budget_fails_only_when_asked(suite: pytest.Pytester) -> None:
+    asked = suite.runpytest_subprocess("-p", "tests.time_budget", "--slowest-budget")
+    assert asked.ret == pytest.ExitCode.TESTS_FAILED
+    asked.stdout.fnmatch_lines(["*2 slowest tests*", "*test_slow*", "*FAILED time budget*"])
+    plain = suite.runpytest_subprocess("-p", "tests.time_budget")
+    assert plain.ret == pytest.ExitCode.OK
+    plain.stdout.fnmatch_lines(["*in all (budget 0 s*"])

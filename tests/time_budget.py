@@ -1,0 +1,65 @@
+"""pytest plugin: the slowest tests of a run, summed, against a declared budget.
+
+``make test`` loads it (``-p tests.time_budget``) and passes ``--slowest-budget``: after the run
+it prints the :data:`SLOWEST` slowest tests (setup, call and teardown together, so a
+module-scoped server's start counts for the test that started it) and their total, and fails the
+run when the total is over :data:`BUDGET_S`. The budget and the quiet measurement behind it are in
+docs/perf.md ("CI wall time"); raise it only together with that table, so that a suite that grows
+is seen when it grows. Without the option it only prints.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+SLOWEST = 20
+BUDGET_S = 600.0
+"""Seconds the :data:`SLOWEST` slowest tests of ``make test`` may take together (docs/perf.md)."""
+
+_durations: defaultdict[str, float] = defaultdict(float)
+_over: list[str] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--slowest-budget``: fail the run when the slowest tests exceed :data:`BUDGET_S`."""
+    parser.addoption(
+        "--slowest-budget",
+        action="store_true",
+        help=f"fail when the {SLOWEST} slowest tests take more than {BUDGET_S:.0f} s together",
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's duration to its test."""
+    _durations[report.nodeid] += report.duration
+
+
+def slowest(durations: dict[str, float], n: int = SLOWEST) -> list[tuple[str, float]]:
+    """The ``n`` longest (test id, seconds), longest first."""
+    return sorted(durations.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when ``--slowest-budget`` is given and the total is over budget."""
+    total = sum(s for _, s in slowest(_durations))
+    if session.config.getoption("--slowest-budget") and total > BUDGET_S:
+        _over.append(f"the {SLOWEST} slowest tests took {total:.0f} s, over {BUDGET_S:.0f} s")
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the slowest tests, their total and the budget."""
+    top = slowest(_durations)
+    if not top:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section(f"{len(top)} slowest tests (setup + call + teardown)")
+    for nodeid, seconds in top:
+        write(f"{seconds:8.1f} s  {nodeid}")
+    total = sum(s for _, s in top)
+    write(f"{total:8.1f} s  in all (budget {BUDGET_S:.0f} s, tests/time_budget.py)")
+    for line in _over:
+        write(f"FAILED time budget: {line}", red=True)
