@@ -170,19 +170,25 @@ def _as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(FP8).float() if dtype == FP8 else x.float()
 
 
-@pytest.mark.parametrize(
-    "case",
-    CASES,
-    ids=lambda c: (
-        f"{c.layout}{'-hnd' if c.hnd else ''}-"
-        f"{str(c.dtype)[6:]}-h{c.heads}-d{c.head_dim}r{c.rotary_dim}-"
-        f"{'neox' if c.neox else 'gptj'}-bs{c.block_size}"
-    ),
-)
+CASE_IDS = [
+    f"{c.layout}{'-hnd' if c.hnd else ''}-{str(c.dtype)[6:]}-h{c.heads}-d{c.head_dim}"
+    f"r{c.rotary_dim}-{'neox' if c.neox else 'gptj'}-bs{c.block_size}"
+    for c in CASES
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_kernel_equals_reference(case: Case) -> None:
+    assert_kernel_equals_reference(case, torch.device("cpu"))
+
+
+def assert_kernel_equals_reference(case: Case, device: torch.device) -> None:
+    """The Triton kernel and the torch reference move the same slots of ``case``'s layout on
+    ``device`` (CPU: under the interpreter; CUDA: compiled) and write nothing else; the
+    reference equals R(delta) of the donor's K and copies V bit for bit."""
     # A stable seed per case (Python's hash() of the case differs per process).
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    original = _make_caches(case, gen)
+    original = [c.to(device) for c in _make_caches(case, gen)]
     n_slots = case.blocks * case.block_size
     perm = torch.randperm(n_slots, generator=gen)
     src, dst = perm[: case.tokens].clone(), perm[case.tokens : 2 * case.tokens].clone()
@@ -192,8 +198,11 @@ def test_kernel_equals_reference(case: Case) -> None:
     scales = [0.5, 2.0, 1.0][: case.layers] if case.dtype == FP8 else None
     by_kernel = [c.clone() for c in original]
     by_ref = [c.clone() for c in original]
-    _run(case, by_kernel, src, dst, deltas, "triton", scales)
-    _run(case, by_ref, src, dst, deltas, "torch", scales)
+    on_device = src.to(device), dst.to(device), deltas.to(device)
+    _run(case, by_kernel, *on_device, "triton", scales)
+    _run(case, by_ref, *on_device, "torch", scales)
+    # Compared on the CPU, slot by slot.
+    original, by_kernel, by_ref = ([c.cpu() for c in t] for t in (original, by_kernel, by_ref))
 
     spec = RopeSpec(case.head_dim, case.rotary_dim, 1e4, is_neox_style=case.neox)
     r = case.rotary_dim

@@ -5,10 +5,10 @@ donor slots to as many recipient slots in every layer: with ``transfer_kv_sglang
 rotate K, scatter; slot checks included), the same with ``validate=False``, and a plain torch
 copy of the same bytes (``index_select`` + ``index_copy_`` of K and V per layer), the copy
 bound. Bytes moved = bytes read + bytes written for K and V of all layers. On CUDA the Triton
-kernel runs; on CPU the torch fast path (``kernels/transfer_cpu.py``) runs, and the torch
-reference (``backend="torch"``) is timed beside it. The variants are timed interleaved (one call
-of each per round, after one warm-up call each), so load changes hit all of them alike; the
-median per variant is reported.
+kernel runs; on CPU the torch fast path (``kernels/transfer_cpu.py``) runs; the torch
+reference (``backend="torch"``) is timed beside it on both. The variants are timed interleaved
+(one call of each per round, after one warm-up call each), so load changes hit all of them
+alike; the median per variant is reported.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run_one(
     iters: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """Time transfer_kv_sglang (and on CPU its reference) and the plain copy for one dtype."""
+    """Time transfer_kv_sglang, its torch reference and the plain copy for one dtype."""
     slots = 2 * tokens + 1
     gen = torch.Generator(device="cpu").manual_seed(0)
     k_bufs = [
@@ -97,16 +97,18 @@ def run_one(
             buf.index_copy_(0, dst, buf.index_select(0, src))
 
     moved = 2 * 2 * layers * tokens * heads * head_dim * torch.finfo(dtype).bits // 8
-    fns = {"transfer": transfer, "transfer_unchecked": transfer_unchecked, "copy": copy}
-    if device.type != "cuda":
-        fns["reference"] = reference
+    fns = {
+        "transfer": transfer,
+        "transfer_unchecked": transfer_unchecked,
+        "copy": copy,
+        "reference": reference,
+    }
     seconds = _time_interleaved(fns, device, iters)
     out = {"bytes_moved": float(moved)}
     out.update({f"{name}_s": t for name, t in seconds.items()})
     out.update({f"{name}_gbps": moved / t / 1e9 for name, t in seconds.items()})
     out["ratio"] = seconds["copy"] / seconds["transfer"]
-    if "reference" in seconds:
-        out["speedup_vs_reference"] = seconds["reference"] / seconds["transfer"]
+    out["speedup_vs_reference"] = seconds["reference"] / seconds["transfer"]
     return out
 
 
@@ -138,8 +140,8 @@ def command(
     iters: int | None,
     device: str | None,
 ) -> None:
-    """Bytes moved per second by transfer_kv_sglang and by a plain torch copy (the copy bound);
-    on CPU also by the torch reference."""
+    """Bytes moved per second by transfer_kv_sglang, by its torch reference and by a plain
+    torch copy (the copy bound)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = dev.type != "cuda"
     n_iters = iters or (5 if cpu else 20)
@@ -159,8 +161,7 @@ def command(
         f"{'dtype':<10}{'MB moved':>10}{'transfer ms':>13}{'transfer GB/s':>15}"
         f"{'unchecked GB/s':>16}{'copy GB/s':>11}{'ratio':>7}"
     )
-    if cpu:
-        header += f"{'reference ms':>14}{'reference GB/s':>16}{'speedup':>9}"
+    header += f"{'reference ms':>14}{'reference GB/s':>16}{'speedup':>9}"
     click.echo(header)
     for name, dtype in DTYPES.items():
         r = run_one(dtype, layers, heads, head_dim, tokens, n_iters, dev)
@@ -170,11 +171,10 @@ def command(
             f"{r['transfer_gbps']:>15.2f}{r['transfer_unchecked_gbps']:>16.2f}"
             f"{r['copy_gbps']:>11.2f}{r['ratio']:>7.2f}"
         )
-        if cpu:
-            line += (
-                f"{r['reference_s'] * 1e3:>14.1f}{r['reference_gbps']:>16.2f}"
-                f"{r['speedup_vs_reference']:>9.2f}"
-            )
+        line += (
+            f"{r['reference_s'] * 1e3:>14.1f}{r['reference_gbps']:>16.2f}"
+            f"{r['speedup_vs_reference']:>9.2f}"
+        )
         click.echo(line)
     if json_path:
         write_json(json_path, results)
