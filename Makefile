@@ -16,11 +16,12 @@ PROFILES := sglang legacy vllm
 # Per profile: its venv, what its pytest runs, and a command its suite runs under.
 # tests/legacy need a legacy sglang, tests/vllm need vLLM: they are test-legacy's and test-vllm's
 # (the main .venv has neither). The vLLM suite (served tests start real vLLM engines on CPU, one
-# per module) is bounded in time.
+# per module) is bounded in time. make test fails when its slowest tests exceed their budget
+# (tests/time_budget.py).
 VENV_sglang = $(VENV)
 VENV_legacy = $(VENV_LEGACY)
 VENV_vllm = $(VENV_VLLM)
-TESTS_sglang = --ignore=tests/legacy --ignore=tests/vllm
+TESTS_sglang = --ignore=tests/legacy --ignore=tests/vllm -p tests.time_budget --slowest-budget
 TESTS_legacy = tests/legacy tests/contract
 TESTS_vllm = tests/vllm
 RUN_vllm = timeout 2400
