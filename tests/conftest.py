@@ -8,6 +8,7 @@ The model folder is prepared inside the clone (``$SEMBLEND_MODEL_CACHE``, set by
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,25 @@ def instructions(smollm2_tokenizer: Any) -> list[list[int]]:
     from tests.harness.traffic import INSTRUCTIONS
 
     return [smollm2_tokenizer.encode(t, add_special_tokens=False) for t in INSTRUCTIONS]
+
+
+@pytest.fixture(scope="session")
+def sgl_kernel_standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared server's ``sgl_kernel`` stand-in logs its imports and calls."""
+    return tmp_path_factory.mktemp("standin") / "sgl_kernel_calls.log"
+
+
+@pytest.fixture(scope="session")
+def semblend_server(
+    smollm2_model_dir: Path, sgl_kernel_standin_log: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """One real SGLang server with semblend on (default settings) and ``--enable-metrics``,
+    shared by test_e2e_semantic.py and test_e2e_server.py: a start costs 20-30 s on 2 cores.
+    Its tests read counters as differences and use their own essays, so their order does not
+    matter. Stopped at the end of the session."""
+    from tests.harness.server import healthy_server
+
+    log = tmp_path_factory.mktemp("semblend-server") / "server.log"
+    env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(sgl_kernel_standin_log)}
+    with healthy_server(smollm2_model_dir, log, env, ["--enable-metrics"]) as srv:
+        yield srv

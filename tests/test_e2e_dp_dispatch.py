@@ -28,6 +28,9 @@ from tests.harness.server import healthy_server
 pytestmark = pytest.mark.e2e
 
 INDEX_BYTES = 1024 * 1024
+DOC_TOKENS = 600
+"""Tokens of each shared document: above semblend's 256-token minimum prompt, short enough
+that a prefill on one core takes about a second."""
 LOAD_MARGIN = 2048
 HEADS = (
     "Summarize the following essay in three sentences.\n\n",
@@ -99,7 +102,7 @@ def _dispatch_stats(server: SglangServer) -> list[dict[str, int]]:
 def test_a_probe_is_sent_to_its_donors_rank_and_materializes(
     server: SglangServer, enc: Any, essay_texts: list[str]
 ) -> None:
-    doc = enc(essay_texts[0])[:1000]
+    doc = enc(essay_texts[0])[:DOC_TOKENS]
     donor = _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1)
     assert _cached(donor) < 50
     for head in HEADS[1:3]:
@@ -113,7 +116,7 @@ def test_a_probe_is_sent_to_its_donors_rank_and_materializes(
 def test_a_pinned_request_stays_pinned(
     server: SglangServer, enc: Any, essay_texts: list[str]
 ) -> None:
-    doc = enc(essay_texts[1])[:1000]
+    doc = enc(essay_texts[1])[:DOC_TOKENS]
     _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1)
     before = _materialized(server.url)
     pinned = _generate(server.url, enc(HEADS[1]) + doc, routed_dp_rank=0)
@@ -127,7 +130,7 @@ def test_a_pinned_request_stays_pinned(
 def test_a_heavily_loaded_donor_rank_is_skipped(
     server: SglangServer, enc: Any, essay_texts: list[str]
 ) -> None:
-    doc = enc(essay_texts[2])[:1000]
+    doc = enc(essay_texts[2])[:DOC_TOKENS]
     _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1)
     fillers = [enc(essay_texts[20 + i])[:1200] for i in range(3)]
     overloaded_before = max((s.get("overloaded", 0) for s in _dispatch_stats(server)), default=0)
@@ -148,7 +151,7 @@ def test_a_heavily_loaded_donor_rank_is_skipped(
 def test_dispatch_never_crosses_namespaces(
     server: SglangServer, enc: Any, essay_texts: list[str], field: str
 ) -> None:
-    doc = enc(essay_texts[3 if field == "cache_salt" else 4])[:1000]
+    doc = enc(essay_texts[3 if field == "cache_salt" else 4])[:DOC_TOKENS]
     _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1, **{field: "tenant-a"})
     before = _materialized(server.url)
     other = _generate(server.url, enc(HEADS[1]) + doc, **{field: "tenant-b"})

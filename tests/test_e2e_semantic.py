@@ -12,16 +12,13 @@ import json
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from semblend_sglang.server import SglangServer, http_json
 from tests.conftest import REPO_ROOT
-from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -33,14 +30,10 @@ INSTRUCTIONS = (
 )
 
 
-@pytest.fixture(scope="module")
-def server(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    log = tmp_path_factory.mktemp("semantic-server") / "server.log"
-    env = {"SEMBLEND_ENABLED": "1"}
-    with healthy_server(smollm2_model_dir, log, env, ["--enable-metrics"]) as srv:
-        yield srv
+@pytest.fixture
+def server(semblend_server: SglangServer) -> SglangServer:
+    """The session's shared semblend server (tests/conftest.py)."""
+    return semblend_server
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -228,9 +221,11 @@ def test_a_request_that_opts_out_is_served_cold_on_both_apis(
     answer = http_json(server.url + "/v1/completions", body)
     assert answer["choices"][0]["text"]
     assert _metrics(server.url)[opted] - after[opted] == 1
-    # without the key the same request reuses the donor
+    # without the key a request of the same kind reuses the donor (not ``target`` itself:
+    # the opted-out requests were served cold and published it as an exact prefix)
     plain = _metrics(server.url)
-    http_json(server.url + "/v1/completions", {**body, "custom_params": None})
+    other = enc(INSTRUCTIONS[3], add_special_tokens=False) + doc
+    http_json(server.url + "/v1/completions", {**body, "prompt": other, "custom_params": None})
     assert _outcome(_metrics(server.url), "materialized") == _outcome(plain, "materialized") + 1
 
 

@@ -1,36 +1,32 @@
 """End to end: the real SGLang 0.5.23 server on this CPU with the prepared SmolLM2 model.
 
-One server for the module (start-up costs 20-60 s on 2 cores). Requests go over HTTP exactly as a
+The server is the session's shared one (tests/conftest.py ``semblend_server``: semblend on,
+start-up costs 20-60 s on 2 cores). Requests go over HTTP exactly as a
 user's would; exact prefix hits are read from the server's own ``cached_tokens``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from semblend_sglang.server import SglangServer, http_json
-from tests.harness.server import healthy_server
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("standin") / "sgl_kernel_calls.log"
+@pytest.fixture
+def server(semblend_server: SglangServer) -> SglangServer:
+    """The session's shared server (tests/conftest.py): semblend on, which must not change
+    what these tests see."""
+    return semblend_server
 
 
-@pytest.fixture(scope="module")
-def server(
-    smollm2_model_dir: Path, standin_log: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {"SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(standin_log)}
-    with healthy_server(smollm2_model_dir, log, env) as srv:
-        yield srv
+@pytest.fixture
+def standin_log(sgl_kernel_standin_log: Path) -> Path:
+    return sgl_kernel_standin_log
 
 
 def _generate(url: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +51,9 @@ def test_chat_capital_of_france(server: SglangServer) -> None:
 def test_exact_prefix_hit_on_repeat(
     server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
 ) -> None:
-    ids = smollm2_tokenizer.encode(essay_texts[3], add_special_tokens=False)[:500]
+    # an essay no other test on the shared server sends: a semantic hit on the first request
+    # would publish only its exact head, and the repeat would not be an exact hit
+    ids = smollm2_tokenizer.encode(essay_texts[40], add_special_tokens=False)[:500]
     prompt = smollm2_tokenizer.decode(ids)
     params = {"max_new_tokens": 8, "temperature": 0}
     first = _generate(server.url, {"text": prompt, "sampling_params": params})

@@ -27,7 +27,6 @@ from semblend_sglang.server import (
     SglangServer,
     free_port,
     http_json,
-    start_server,
 )
 from tests.harness.server import healthy_server
 
@@ -148,31 +147,53 @@ def test_a_taken_port_fails_fast_and_the_harness_starts_again_on_another(
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Handed a taken port first, the harness's start raises PortInUseError from the log (the
+    health wait is cut to 120 s here, so a start that waited it out would raise ServerError
+    instead and fail the test) and the harness serves on the next port: two starts."""
     import socket
 
     import tests.harness.server as harness_server
 
     log = tmp_path_factory.mktemp("port-taken") / "server.log"
+    starts: list[tuple[int, type[BaseException] | None]] = []
+    real_start = harness_server.start_server
+
+    class Recorded:
+        """A started server whose wait_healthy outcome is recorded."""
+
+        def __init__(self, server: SglangServer, port: int) -> None:
+            self._server, self._port = server, port
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._server, name)
+
+        def wait_healthy(self, timeout: float) -> None:
+            try:
+                self._server.wait_healthy(timeout=timeout)
+            except BaseException as exc:
+                starts.append((self._port, type(exc)))
+                raise
+            starts.append((self._port, None))
+
+    def recorded_start(model: Path, *, port: int, **kw: Any) -> Recorded:
+        return Recorded(real_start(model, port=port, **kw), port)
+
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = int(holder.getsockname()[1])
-        # the server's own start on the taken port: PortInUseError, not the health timeout
-        with start_server(smollm2_model_dir, port=taken, log_path=log) as first:
-            with pytest.raises(PortInUseError, match="port in use"):
-                first.wait_healthy(timeout=300)
-            assert first.alive()  # SGLang's launcher does not exit on it by itself
-            first.stop(grace=harness_server.PORT_TAKEN_GRACE_S)
-        # the harness: handed the taken port first, it starts again on the next one
-        handed: list[int] = []
         fresh = free_port()
+        handed: list[int] = []
 
         def next_port() -> int:
             handed.append(taken if not handed else fresh)
             return handed[-1]
 
         monkeypatch.setattr(harness_server, "free_port", next_port)
+        monkeypatch.setattr(harness_server, "start_server", recorded_start)
+        monkeypatch.setattr(harness_server, "HEALTHY_WITHIN_S", 120.0)
         with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}) as srv:
-            assert handed == [taken, fresh] and srv.url.endswith(f":{fresh}")
+            assert starts == [(taken, PortInUseError), (fresh, None)], starts
+            assert srv.url.endswith(f":{fresh}")
             answer = _generate(srv.url, [1, 2, 3, 4], 2)
             assert answer["meta_info"]["completion_tokens"] == 2
