@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.time_budget import slowest
+from tests.time_budget import BUDGETS_S, DEFAULT_BUDGET_S, budget_s, slowest
 
 pytest_plugins = ["pytester"]
 
@@ -13,6 +13,12 @@ pytest_plugins = ["pytester"]
 def test_slowest_sorts_longest_first_and_keeps_n() -> None:
     times = {"a": 1.0, "b": 3.0, "c": 2.0}
     assert slowest(times, 2) == [("b", 3.0), ("c", 2.0)]
+
+
+def test_budget_is_per_cpu_kind_and_the_largest_elsewhere() -> None:
+    for cpu, budget in BUDGETS_S.items():
+        assert budget_s(cpu) == budget <= DEFAULT_BUDGET_S
+    assert budget_s("AMD EPYC 7B13") == DEFAULT_BUDGET_S
 
 
 @pytest.fixture
