@@ -71,7 +71,7 @@ def _rank(url: str, key: str | None = None) -> dict[str, Any]:
 
 
 def _healthy_after_idle(server: SglangServer) -> None:
-    time.sleep(3)  # the scheduler's idle self-check runs; a leak would kill it
+    time.sleep(1)  # the scheduler's idle self-check runs on its first idle loop; a leak kills it
     assert server.alive()
     with urllib.request.urlopen(server.url + "/health_generate", timeout=300) as resp:
         assert resp.status == 200
