@@ -15,6 +15,8 @@ from collections import defaultdict
 
 import pytest
 
+from semblend_sglang.bench.report import cpu_model
+
 SLOWEST = 20
 
 BUDGETS_S = {"Intel(R) Xeon(R) Processor": 800.0}
@@ -32,17 +34,7 @@ def budget_s(cpu: str) -> float:
     return BUDGETS_S.get(cpu, DEFAULT_BUDGET_S)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo").read().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-CPU = _cpu_model()
+CPU = cpu_model()
 BUDGET_S = budget_s(CPU)
 """Seconds the :data:`SLOWEST` slowest tests of ``make test`` may take together here."""
 
