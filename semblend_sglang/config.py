@@ -34,7 +34,7 @@ from .config_fields import (
     setting,
     specs_of,
 )
-from .recompute import STRATEGIES
+from .recompute_strategy import STRATEGIES
 
 __all__ = [
     "EMBEDDERS",

@@ -22,29 +22,14 @@ same scores select the same positions. Engine hooks live in ``patches/``.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-
-class RecomputeStrategy(enum.StrEnum):
-    """How the recompute budget is spent (the ``recompute_strategy`` setting)."""
-
-    HEADS = "heads"
-    DEVIATION = "deviation"
-    QUERY = "query"
-
-    @property
-    def uses_check_layer(self) -> bool:
-        """True when the selection is made inside the forward, at the check layer."""
-        return self is not RecomputeStrategy.HEADS
-
-
-STRATEGIES = tuple(s.value for s in RecomputeStrategy)
-"""The ``recompute_strategy`` choices."""
+from .recompute_strategy import STRATEGIES as STRATEGIES
+from .recompute_strategy import RecomputeStrategy as RecomputeStrategy
 
 QUERY_TAIL_TOKENS = 32
 """``query``: the last computed tokens of a request whose attention ranks its reused keys."""

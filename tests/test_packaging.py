@@ -103,6 +103,20 @@ def test_patch_functions_are_importable_from_the_package_without_importing_sglan
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_the_command_and_the_config_load_without_torch() -> None:
+    """``semblend-sglang`` (its CLI module) and ``Config`` import no torch: the recompute
+    strategy names they validate against live in the torch-free ``recompute_strategy``."""
+    code = (
+        "import sys\n"
+        "import semblend_sglang.cli, semblend_sglang.config\n"
+        "from semblend_sglang.config import Config\n"
+        "assert Config().recompute_strategy in semblend_sglang.config.STRATEGIES\n"
+        "loaded = sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def _pyproject() -> dict:
     import tomllib
 

@@ -1,0 +1,28 @@
+"""The recompute strategies (the ``recompute_strategy`` setting), torch-free.
+
+:mod:`semblend_sglang.config` validates the setting against :data:`STRATEGIES`; the selection
+code that spends the budget is :mod:`semblend_sglang.recompute`, which imports torch. Keeping the
+names here lets ``semblend_sglang.config`` and the ``semblend-sglang`` command load without
+torch.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RecomputeStrategy(enum.StrEnum):
+    """How the recompute budget is spent (the ``recompute_strategy`` setting)."""
+
+    HEADS = "heads"
+    DEVIATION = "deviation"
+    QUERY = "query"
+
+    @property
+    def uses_check_layer(self) -> bool:
+        """True when the selection is made inside the forward, at the check layer."""
+        return self is not RecomputeStrategy.HEADS
+
+
+STRATEGIES = tuple(s.value for s in RecomputeStrategy)
+"""The ``recompute_strategy`` choices."""
