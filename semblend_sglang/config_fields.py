@@ -131,6 +131,18 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
+def parse_flag(value: str | None) -> bool | None:
+    """A boolean written as 1/0, true/false, yes/no or on/off (any case, spaces ignored); None
+    for anything else, empty or missing. The one reading of a boolean setting or environment
+    variable: callers choose what None means (a ConfigError, or a default)."""
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if word in _TRUE:
+        return True
+    return False if word in _FALSE else None
+
+
 def parse_value(spec: FieldSpec, value: Any, key: str) -> Any:
     """Convert ``value`` (a string from env/CLI or a JSON value) to ``spec``'s type and check it.
 
@@ -142,9 +154,10 @@ def parse_value(spec: FieldSpec, value: Any, key: str) -> Any:
             return value
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ConfigError(key, value, allowed)
+        flag = parse_flag(value) if isinstance(value, str) else None
+        if flag is None:
+            raise ConfigError(key, value, allowed)
+        return flag
     if spec.type is str:
         if not isinstance(value, str):
             raise ConfigError(key, value, allowed)

@@ -17,7 +17,7 @@ from semblend_sglang.config import (
     parse_value,
     settings_table,
 )
-from semblend_sglang.config_fields import format_default
+from semblend_sglang.config_fields import format_default, parse_flag
 
 # The kv_connector_extra_config of the semblend-vllm-connector package's description, less its
 # `provider` key (the vLLM connector's settings accept and drop it; tests/test_vllm_settings.py).
@@ -266,3 +266,24 @@ def test_settings_command_prints_the_table() -> None:
     result = CliRunner().invoke(main, ["settings"])
     assert result.exit_code == 0, result.output
     assert result.output == settings_table()
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("1", True),
+        (" TRUE ", True),
+        ("yes", True),
+        ("On", True),
+        ("0", False),
+        ("false", False),
+        (" No", False),
+        ("OFF", False),
+        ("", None),
+        ("2", None),
+        ("enabled", None),
+        (None, None),
+    ],
+)
+def test_parse_flag_is_the_one_reading_of_a_boolean(raw: str | None, want: bool | None) -> None:
+    assert parse_flag(raw) is want

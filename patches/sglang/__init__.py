@@ -18,6 +18,7 @@ import threading
 from packaging.version import Version
 
 from semblend_sglang.config import Config, ConfigError
+from semblend_sglang.config_fields import parse_flag
 
 from .adapter import SglangAdapter, installed_sglang_version
 
@@ -109,7 +110,7 @@ def load_plugin() -> None:
         logger.error(
             "semblend: CPU query-only extend not installed (%s: %s)", type(exc).__name__, exc
         )
-    if os.environ.get("SEMBLEND_ENABLED", "0").strip().lower() not in ("1", "true", "yes", "on"):
+    if not parse_flag(os.environ.get("SEMBLEND_ENABLED")):
         return
     try:
         config = Config.from_env()

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
 from semblend_sglang.kernels.sparse_extend_triton import (
     SKIP_PREFIX_CUSTOM_MASK,
@@ -380,16 +381,15 @@ def sparse_extend_supported(backend: Any) -> bool:
 
 
 def _flag(value: str | None, default: bool) -> bool:
-    if value is None or not value.strip():
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    flag = parse_flag(value)
+    return default if flag is None else flag
 
 
 def install_cpu_query_only_extend(environ: Mapping[str, str] | None = None) -> bool:
     """Plugin hook: on a CPU runtime, make torch_native's extend query-only for every batch.
 
-    Applies when ``SGLANG_USE_CPU_ENGINE`` is on and ``SEMBLEND_CPU_QUERY_ONLY_EXTEND`` is not
-    0/false/no/off (default on), whether or not ``SEMBLEND_ENABLED`` is set. It only changes
+    Applies when ``SGLANG_USE_CPU_ENGINE`` is 1/true/yes/on and ``SEMBLEND_CPU_QUERY_ONLY_EXTEND``
+    is not 0/false/no/off (default on), whether or not ``SEMBLEND_ENABLED`` is set. It only changes
     ``TorchNativeAttnBackend``, so other backends are unaffected. Returns True when applied;
     never raises (a failure is logged and leaves SGLang unchanged).
     """

@@ -55,6 +55,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from semblend_sglang.config import Config
+from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
@@ -268,7 +269,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         # backend fails sparse_extend_supported and every plan is declined (unsupported_cache).
         self._install_attention_hooks(triton=False)
         for name in _OTHER_TREE_ENV:
-            if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            if parse_flag(os.environ.get(name)):
                 logger.warning(
                     "semblend: %s is set, so SGLang builds a tree the legacy adapter does not "
                     "hook; no semantic reuse will happen",
