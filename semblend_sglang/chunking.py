@@ -47,17 +47,6 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
-def mix64(values: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer, elementwise on a uint64 array (returns a new array)."""
-    z = values.astype(U64, copy=True)
-    z ^= z >> U64(30)
-    z *= U64(0xBF58476D1CE4E5B9)
-    z ^= z >> U64(27)
-    z *= U64(0x94D049BB133111EB)
-    z ^= z >> U64(31)
-    return z
-
-
 def token_hashes(tokens: np.ndarray) -> np.ndarray:
     """Per-token 64-bit hashes (uint64 array of the same length): ``id * M`` modulo 2**64, with
     ``M`` a fixed odd constant (murmur3's), a bijection of 64-bit ids.

@@ -73,7 +73,6 @@ class ReusePlan:
     prompt_tokens: int
     exact_len: int
     page_size: int
-    sink_tokens: int
     substitute: bool = False
     similarity: float | None = None
     span_donors: tuple[Hashable, ...] = ()
@@ -259,7 +258,6 @@ def build_plan(
         prompt_tokens=n_tokens,
         exact_len=exact_len,
         page_size=page_size,
-        sink_tokens=config.sink_tokens,
         substitute=config.mode == "substitute",
         similarity=similarity,
         span_donors=() if len(per_donor) == 1 else kept_donors,

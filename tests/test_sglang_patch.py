@@ -378,7 +378,6 @@ def test_substituted_prompt_puts_the_donor_head_before_the_shared_span() -> None
         prompt_tokens=len(target),
         exact_len=0,
         page_size=1,
-        sink_tokens=1,
         substitute=True,
     )
     out = substituted_prompt(target, donor, plan)

@@ -83,13 +83,13 @@ class SemblendRuntime:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self.held = HeldDonorCounts()
+        """What the adapter's held-donor store did (``held_donors`` in :meth:`snapshot`)."""
         self.recompute = RecomputeCounts()
         self.layer_check: bool | None = None
         """Whether the served model's layers take the check-layer recompute (set at scheduler
         start by :mod:`.layer_hook`); None while no model is known (an engine-less cache)."""
         self.check_hook: Any = None
         """The :class:`.layer_hook.LayerHook` of the served model, when installed."""
-        """What the adapter's held-donor store did (``held_donors`` in :meth:`snapshot`)."""
         self.refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
         self.evicted_donors = 0
