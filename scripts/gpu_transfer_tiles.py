@@ -18,7 +18,6 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import click
 import torch
 
+from semblend_sglang.bench.kernel_bandwidth import random_pool, time_interleaved
 from semblend_sglang.kernels import RopeSpec, transfer_kv_sglang
 from semblend_sglang.kernels import transfer_triton as shipped
 from semblend_sglang.kernels.kv_layouts import block_caches, sglang_views
@@ -46,21 +46,6 @@ def _load(path: Path) -> Any:
     return module
 
 
-def _time(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def measure(
     shape_name: str, dims: tuple[int, int, int, int], dtype: torch.dtype, old: Any, rounds: int
 ) -> dict[str, Any]:
@@ -68,13 +53,8 @@ def measure(
     dev = torch.device("cuda")
     layers, heads, dim, tokens = dims
     shipped_tile = (shipped.TILE_ELEMENTS, shipped.TILE_WARPS)
-    gen = torch.Generator().manual_seed(0)
-    slots = 2 * tokens + 1
-    k = [torch.randn(slots, heads, dim, generator=gen).to(dev, dtype) for _ in range(layers)]
-    v = [torch.randn(slots, heads, dim, generator=gen).to(dev, dtype) for _ in range(layers)]
-    perm = torch.randperm(slots - 1, generator=gen) + 1
-    src = perm[:tokens].sort().values.to(dev)
-    dst = perm[tokens : 2 * tokens].sort().values.to(dev)
+    k, v, src, dst = random_pool(dtype, layers, heads, dim, tokens, dev)
+    gen = torch.Generator().manual_seed(1)
     deltas = torch.randint(-3000, 3000, (tokens,), generator=gen).to(dev)
     spec = RopeSpec(head_dim=dim, rotary_dim=dim, rope_theta=500000.0)
     k4, v4 = sglang_views(k, v)
@@ -117,7 +97,7 @@ def measure(
             for g, w in zip(got, want, strict=True)
         )
         assert ok, f"{name} differs from the reference on {shape_name} {dtype}"
-    seconds = _time(fns, rounds)
+    seconds = time_interleaved(fns, dev, rounds)
     shipped.TILE_ELEMENTS, shipped.TILE_WARPS = shipped_tile
     return {
         "shape": shape_name,

@@ -113,15 +113,13 @@ def main(
         for s, i in zip(rs, ri, strict=True)
     ]
     result["just_served_over_idle"] = ratios
-    for phase in ("alone", "alone_again"):
-        values = result[phase]
+    phases: dict[str, object] = {
+        "alone": result["alone"],
+        "alone_again": result["alone_again"],
+        **{phase: [v for row in rows for v in row] for phase, rows in paired.items()},
+    }
+    for phase, values in phases.items():
         assert isinstance(values, list)
-        click.echo(
-            f"{phase:14s} median {statistics.median(values):7.0f} ms  "
-            f"range {min(values):6.0f}-{max(values):6.0f}  ({len(values)} requests)"
-        )
-    for phase, rows in paired.items():
-        values = [v for row in rows for v in row]
         click.echo(
             f"{phase:14s} median {statistics.median(values):7.0f} ms  "
             f"range {min(values):6.0f}-{max(values):6.0f}  ({len(values)} requests)"

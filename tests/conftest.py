@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from semblend_sglang.cpu_runtime import ensure_torchvision_importable
+
+if TYPE_CHECKING:
+    from semblend_sglang.server import SglangServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +87,7 @@ def sgl_kernel_standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def semblend_server(
     smollm2_model_dir: Path, sgl_kernel_standin_log: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Any]:
+) -> Iterator[SglangServer]:
     """One real SGLang server with semblend on (default settings) and ``--enable-metrics``,
     shared by test_e2e_semantic.py and test_e2e_server.py: a start costs 20-30 s on 2 cores.
     Its tests read counters as differences and use their own essays, so their order does not

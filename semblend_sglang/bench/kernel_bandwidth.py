@@ -34,7 +34,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_interleaved(
+def time_interleaved(
     fns: dict[str, Callable[[], None]], device: torch.device, iters: int
 ) -> dict[str, float]:
     """Median seconds per call of each function: one warm-up call each, then ``iters`` rounds
@@ -59,16 +59,11 @@ def _device_name(device: torch.device) -> str:
     return f"{cpu_model()} ({torch.get_num_threads()} torch threads)"
 
 
-def run_one(
-    dtype: torch.dtype,
-    layers: int,
-    heads: int,
-    head_dim: int,
-    tokens: int,
-    iters: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """Time transfer_kv_sglang, its torch reference and the plain copy for one dtype."""
+def random_pool(
+    dtype: torch.dtype, layers: int, heads: int, head_dim: int, tokens: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """An SGLang-layout pool (per layer [2 * tokens + 1, heads, head_dim] K and V, N(0, 1),
+    seed 0) and ``tokens`` sorted source and destination slots, disjoint, slot 0 unused."""
     slots = 2 * tokens + 1
     gen = torch.Generator(device="cpu").manual_seed(0)
     k_bufs = [
@@ -80,6 +75,20 @@ def run_one(
     perm = torch.randperm(slots - 1, generator=gen) + 1
     src = perm[:tokens].sort().values.to(device)
     dst = perm[tokens : 2 * tokens].sort().values.to(device)
+    return k_bufs, v_bufs, src, dst
+
+
+def run_one(
+    dtype: torch.dtype,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    tokens: int,
+    iters: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """Time transfer_kv_sglang, its torch reference and the plain copy for one dtype."""
+    k_bufs, v_bufs, src, dst = random_pool(dtype, layers, heads, head_dim, tokens, device)
     deltas = torch.full((tokens,), 1234, dtype=torch.int64, device=device)
     spec = RopeSpec(head_dim=head_dim, rotary_dim=head_dim, rope_theta=500000.0)
 
@@ -103,7 +112,7 @@ def run_one(
         "copy": copy,
         "reference": reference,
     }
-    seconds = _time_interleaved(fns, device, iters)
+    seconds = time_interleaved(fns, device, iters)
     out = {"bytes_moved": float(moved)}
     out.update({f"{name}_s": t for name, t in seconds.items()})
     out.update({f"{name}_gbps": moved / t / 1e9 for name, t in seconds.items()})
