@@ -18,6 +18,7 @@ true together with another mode in the same source is a ConfigError; false toget
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -29,12 +30,13 @@ from .config_fields import (
     ENV_PREFIX,
     ConfigError,
     FieldSpec,
+    is_choice_enum,
     markdown_table,
     parse_value,
     setting,
     specs_of,
 )
-from .recompute_strategy import STRATEGIES
+from .recompute_strategy import RecomputeStrategy
 
 __all__ = [
     "EMBEDDERS",
@@ -171,12 +173,11 @@ class Config:
     sink_tokens: int = setting(
         4, "Tokens recomputed at the start of each reused span (attention-sink effect).", minimum=0
     )
-    recompute_strategy: str = setting(
-        "deviation",
+    recompute_strategy: RecomputeStrategy = setting(
+        RecomputeStrategy.DEVIATION,
         "Which reused positions are recomputed: heads (first tokens of each span), deviation "
         "(largest K/V deviation from the donor at the check layer), query (most attended by "
         "the prompt's last tokens at the check layer).",
-        choices=STRATEGIES,
     )
     recompute_ratio: float = setting(
         0.15,
@@ -268,7 +269,9 @@ class Config:
         for f in fields(self):
             spec = FIELDS_BY_NAME.get(f.name)
             if spec is not None:
-                parse_value(spec, getattr(self, f.name), f.name)
+                value = parse_value(spec, getattr(self, f.name), f.name)
+                if value is not getattr(self, f.name) and is_choice_enum(spec.type):
+                    object.__setattr__(self, f.name, value)  # a choice given as its string
         if self.chunk_avg_tokens & (self.chunk_avg_tokens - 1):
             raise ConfigError("chunk_avg_tokens", self.chunk_avg_tokens, "a power of two >= 8")
         if self.dispatch_chunk_avg_tokens & (self.dispatch_chunk_avg_tokens - 1):
@@ -380,8 +383,16 @@ class Config:
         return cls.from_sources(json_obj=obj)
 
     def as_dict(self) -> dict[str, Any]:
-        """Field values by name (``unknown_keys`` excluded), e.g. for logging."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "unknown_keys"}
+        """Field values by name (``unknown_keys`` excluded; a choice as its plain string), e.g.
+        for logging and the server's JSON state."""
+        return {
+            f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "unknown_keys"
+        }
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with a choice enum member replaced by its string."""
+    return value.value if isinstance(value, enum.StrEnum) else value
 
 
 DISCOVERY_ONLY = FieldSpec(

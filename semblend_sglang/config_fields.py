@@ -11,6 +11,7 @@ docs/provider.md. Nothing here knows a particular setting.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -56,7 +57,7 @@ def setting(
     """A dataclass field that is a setting: ``default``, one-sentence ``help``, and what is
     allowed (``choices`` for strings; inclusive ``minimum``/``maximum`` for numbers).
     ``json_aliases``: further JSON keys that set it. The field's annotation is its type (bool,
-    int, float or str)."""
+    int, float, str, or a ``StrEnum`` whose values are the choices)."""
     declared = _Declared(help, choices, minimum, maximum, tuple(json_aliases))
     return field(default=default, metadata={_METADATA_KEY: declared})
 
@@ -115,16 +116,26 @@ def specs_of(cls: type) -> Iterator[FieldSpec]:
         declared = f.metadata.get(_METADATA_KEY)
         if declared is None:
             continue
+        kind = hints[f.name]
+        choices = declared.choices
+        if is_choice_enum(kind):
+            choices = tuple(member.value for member in kind)
         yield FieldSpec(
             f.name,
-            hints[f.name],
+            kind,
             f.default,
             declared.help,
-            declared.choices,
+            choices,
             declared.minimum,
             declared.maximum,
             declared.json_aliases,
         )
+
+
+def is_choice_enum(kind: Any) -> bool:
+    """True when a setting's type ``kind`` is a ``StrEnum``: its values are the choices and
+    :func:`parse_value` returns the member."""
+    return isinstance(kind, type) and issubclass(kind, enum.StrEnum)
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -158,7 +169,7 @@ def parse_value(spec: FieldSpec, value: Any, key: str) -> Any:
         if flag is None:
             raise ConfigError(key, value, allowed)
         return flag
-    if spec.type is str:
+    if spec.type is str or is_choice_enum(spec.type):
         if not isinstance(value, str):
             raise ConfigError(key, value, allowed)
         out_s = value.strip()
@@ -166,7 +177,7 @@ def parse_value(spec: FieldSpec, value: Any, key: str) -> Any:
             out_s = out_s.lower()
             if out_s not in spec.choices:
                 raise ConfigError(key, value, allowed)
-        return out_s
+        return spec.type(out_s) if is_choice_enum(spec.type) else out_s
     out = _parse_number(spec, value, key, allowed)
     if (spec.minimum is not None and out < spec.minimum) or (
         spec.maximum is not None and out > spec.maximum
@@ -210,8 +221,8 @@ def format_default(spec: FieldSpec) -> str:
     value = spec.default
     if spec.type is bool:
         return "1" if value else "0"
-    if spec.type is str:
-        return value or '""'
+    if spec.type is str or is_choice_enum(spec.type):
+        return str(value) or '""'
     return repr(value) if spec.type is float else _number(value, mib=True)
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .recompute_strategy import STRATEGIES as STRATEGIES
 from .recompute_strategy import RecomputeStrategy as RecomputeStrategy
 
 QUERY_TAIL_TOKENS = 32

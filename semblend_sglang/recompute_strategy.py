@@ -1,6 +1,6 @@
 """The recompute strategies (the ``recompute_strategy`` setting), torch-free.
 
-:mod:`semblend_sglang.config` validates the setting against :data:`STRATEGIES`; the selection
+:class:`semblend_sglang.config.Config` holds a member (its values are the choices); the selection
 code that spends the budget is :mod:`semblend_sglang.recompute`, which imports torch. Keeping the
 names here lets ``semblend_sglang.config`` and the ``semblend-sglang`` command load without
 torch.
@@ -22,7 +22,3 @@ class RecomputeStrategy(enum.StrEnum):
     def uses_check_layer(self) -> bool:
         """True when the selection is made inside the forward, at the check layer."""
         return self is not RecomputeStrategy.HEADS
-
-
-STRATEGIES = tuple(s.value for s in RecomputeStrategy)
-"""The ``recompute_strategy`` choices."""

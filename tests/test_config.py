@@ -17,7 +17,8 @@ from semblend_sglang.config import (
     parse_value,
     settings_table,
 )
-from semblend_sglang.config_fields import format_default, parse_flag
+from semblend_sglang.config_fields import format_default, is_choice_enum, parse_flag
+from semblend_sglang.recompute_strategy import RecomputeStrategy
 
 # The kv_connector_extra_config of the semblend-vllm-connector package's description, less its
 # `provider` key (the vLLM connector's settings accept and drop it; tests/test_vllm_settings.py).
@@ -234,8 +235,21 @@ def test_fields_are_derived_from_the_config_dataclass() -> None:
     by_name = {s.name: s for s in FIELDS}
     for f in declared:
         assert by_name[f.name].default == f.default, f.name
-        assert by_name[f.name].type in (bool, int, float, str), f.name
+        kind = by_name[f.name].type
+        assert kind in (bool, int, float, str) or is_choice_enum(kind), f.name
         assert by_name[f.name].help, f.name
+
+
+def test_a_choice_setting_holds_its_enum() -> None:
+    """recompute_strategy is a RecomputeStrategy from every source, its string included."""
+    assert Config().recompute_strategy is RecomputeStrategy.DEVIATION
+    assert Config(recompute_strategy="heads").recompute_strategy is RecomputeStrategy.HEADS  # type: ignore[arg-type]
+    env = Config.from_env({"SEMBLEND_RECOMPUTE_STRATEGY": " Query "})
+    assert env.recompute_strategy is RecomputeStrategy.QUERY
+    assert Config().as_dict()["recompute_strategy"] == "deviation"
+    assert type(Config().as_dict()["recompute_strategy"]) is str
+    with pytest.raises(ConfigError, match="one of heads, deviation, query"):
+        Config(recompute_strategy="nearest")  # type: ignore[arg-type]
 
 
 def test_the_documented_table_is_the_generated_one() -> None:

@@ -116,4 +116,4 @@ def test_only_heads_needs_no_check_layer() -> None:
     assert not RecomputeStrategy.HEADS.uses_check_layer
     assert RecomputeStrategy.DEVIATION.uses_check_layer
     assert RecomputeStrategy.QUERY.uses_check_layer
-    assert recompute.STRATEGIES == ("heads", "deviation", "query")
+    assert tuple(recompute.RecomputeStrategy) == ("heads", "deviation", "query")

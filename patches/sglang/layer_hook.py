@@ -90,7 +90,7 @@ class LayerHook:
         self.runtime = runtime
         self.pool = model_runner.token_to_kv_pool
         self.check_layer = int(runtime.config.recompute_check_layer)
-        self.strategy = RecomputeStrategy(runtime.config.recompute_strategy)
+        self.strategy = runtime.config.recompute_strategy
         self.armed: _ForwardCheck | None = None
         self._wrapped: list[Any] = []
         for i, layer in enumerate(layers):
@@ -390,7 +390,7 @@ def install(runtime: SemblendRuntime, model_runner: Any) -> LayerHook | None:
     """Scheduler start: wrap the served model's layers when the configured strategy selects
     at a check layer, and set :attr:`SemblendRuntime.layer_check`. On a model this seam does
     not take, one warning names why, ``layer_check`` is False and None is returned."""
-    if not RecomputeStrategy(runtime.config.recompute_strategy).uses_check_layer:
+    if not runtime.config.recompute_strategy.uses_check_layer:
         return None
     model = getattr(model_runner, "model", None)
     if model is not None and getattr(model, _WRAPPED_ATTR, None) is not None:

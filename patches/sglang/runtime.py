@@ -234,7 +234,7 @@ class SemblendRuntime:
         layers take the hook (:attr:`layer_check`). While no model is known (the cache without
         an engine) such a strategy recomputes nothing; where the model refused the hook,
         plans are declined (``unsupported_model``, by the adapter)."""
-        strategy = RecomputeStrategy(self.config.recompute_strategy)
+        strategy = self.config.recompute_strategy
         return strategy.uses_check_layer and self.layer_check is True
 
     def decline(self, rid: str, reason: str) -> None:
