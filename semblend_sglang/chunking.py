@@ -4,10 +4,11 @@ Every hash here is a pure function of token ids (fixed odd multipliers, polynomi
 64-bit wrap-around arithmetic): no Python ``hash()``, no seed, no clock, so every process and every
 tensor-parallel rank computes the same values. Chunk boundaries are chosen by the content of a small
 window of tokens, so the same text at another offset is cut into the same chunks (after the first
-boundary). Used by :mod:`semblend_sglang.index` (donor probing) and :mod:`semblend_sglang.align`
-(anchors). A lookup runs these on every request, so they are a handful of whole-array passes
-written with ndarray methods and ufuncs: numpy's Python-level helpers (``np.diff``,
-``np.flatnonzero``, ``np.unique``, ...) cost several times more per call on arrays this small.
+boundary). Used by :mod:`semblend_sglang.index` (donor probing), :mod:`semblend_sglang.anchors`
+and :mod:`semblend_sglang.align` (alignment anchors). A lookup runs these on every request, so they
+are a handful of whole-array passes written with ndarray methods and ufuncs: numpy's Python-level
+helpers (``np.diff``, ``np.flatnonzero``, ``np.unique``, ...) cost several times more per call on
+arrays this small.
 """
 
 from __future__ import annotations

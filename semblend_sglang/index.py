@@ -2,12 +2,13 @@
 
 Each donor is cut into content-defined chunks (:mod:`semblend_sglang.chunking`); the distinct chunk
 keys, salted with the namespace (:mod:`semblend_sglang.chunk_keys`), are its postings. Postings live
-in a few sorted numpy runs (merged like a log-structured tree: each run more than 16x the next one,
-so a probe searches two to four up to 100,000 donors), so memory per donor is O(number of chunks):
-12 bytes per distinct chunk, a 64-byte bottom-k sketch, the record and the engine's handle. A large
-run in which keys repeat (a document many donors share) also keeps its distinct keys, at most a
-quarter of its postings, and the probe searches that small, cache-resident array instead. The
-donor's tokens are kept (int32) only when the engine cannot give them back.
+in a few sorted numpy runs (:mod:`semblend_sglang.posting_runs`), merged like a log-structured tree
+(each run more than 16x the next one, so a probe searches two to four up to 100,000 donors), so
+memory per donor is O(number of chunks): 12 bytes per distinct chunk, a 64-byte bottom-k sketch, the
+record and the engine's handle. A large run in which keys repeat (a document many donors share) also
+keeps its distinct keys, at most a quarter of its postings, and the probe searches that small,
+cache-resident array instead. The donor's tokens are kept (int32) only when the engine cannot give
+them back.
 
 A probe weighs each donor by the query tokens in chunks it shares (a lower bound of what alignment
 can reuse) and ranks by (shared tokens, sketch similarity, newest). It runs as a fixed number of
@@ -29,6 +30,7 @@ import numpy as np
 from .chunk_keys import salted_keys, sketch_of, sketch_similarities_of_keys
 from .chunking import ChunkParams, Chunks, chunk_tokens
 from .namespace import Namespace
+from .posting_runs import PostingRun, merge_runs
 
 U64 = np.uint64
 _MERGE_RATIO = 16
@@ -96,54 +98,6 @@ class Candidate:
     tokens: np.ndarray | None
 
 
-_DIRECTORY_MIN = 4096
-"""Runs with at least this many postings, and at least 4 postings per distinct key on average,
-keep a directory of their distinct keys."""
-
-
-class _Run:
-    """One sorted posting run: ``keys`` (uint64, ascending) and ``ids`` (donor ids, same order; a
-    key's postings in registration order). A run with many postings per distinct key (a
-    document many donors share) also keeps its distinct keys and where each one's postings start:
-    a probe searches that small array, which stays in cache, instead of the whole run."""
-
-    __slots__ = ("_distinct", "_starts", "ids", "keys")
-
-    def __init__(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        self.keys = keys
-        self.ids = ids
-        self._distinct: np.ndarray | None = None
-        self._starts: np.ndarray | None = None
-        if keys.size >= _DIRECTORY_MIN:
-            new = keys[1:] != keys[:-1]
-            n_distinct = 1 + int(np.count_nonzero(new))
-            if 4 * n_distinct <= keys.size:
-                starts = np.empty(n_distinct + 1, dtype=np.int64)
-                starts[0] = 0
-                starts[1:-1] = new.nonzero()[0]
-                starts[1:-1] += 1
-                starts[-1] = keys.size
-                self._distinct = keys[starts[:-1]]
-                self._starts = starts
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the run's arrays."""
-        total = self.keys.nbytes + self.ids.nbytes
-        if self._distinct is not None and self._starts is not None:
-            total += self._distinct.nbytes + self._starts.nbytes
-        return total
-
-    def find(self, qkeys: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:
-        """Write the posting range ``[lo, hi)`` of each of ``qkeys`` to ``out[0]``, ``out[1]``
-        (``bounds``: ``qkeys`` then ``qkeys + 1``)."""
-        distinct, starts = self._distinct, self._starts
-        if distinct is None or starts is None:
-            out[:] = self.keys.searchsorted(bounds).reshape(2, qkeys.size)
-        else:  # an absent key finds the same distinct slot for k and k + 1: an empty range
-            out[:] = starts[distinct.searchsorted(bounds)].reshape(2, qkeys.size)
-
-
 class TokenIndex:
     """Bounded, thread-safe donor index keyed by namespace-salted content-defined chunks.
 
@@ -177,7 +131,7 @@ class TokenIndex:
         # probe scratch, one slot per donor id (see `candidates`); written under the lock only
         self._scratch = np.zeros(1024, dtype=np.int32)
         self._next_id = 0
-        self._runs: list[_Run] = []
+        self._runs: list[PostingRun] = []
         self._postings = 0
         self._live_postings = 0
 
@@ -408,21 +362,8 @@ class TokenIndex:
         self._live_postings -= rec.n_keys
         self._live_bytes -= donor_bytes(rec.n_keys, rec.tokens)
 
-    def _merge(self, a: _Run, b: _Run) -> _Run:
-        """Merge two sorted runs (b after a for equal keys), dropping dead donors."""
-        ak, ai = a.keys, a.ids
-        bk, bi = b.keys, b.ids
-        keep_a = self._alive[ai]
-        keep_b = self._alive[bi]
-        if not keep_a.all():
-            ak, ai = ak[keep_a], ai[keep_a]
-        if not keep_b.all():
-            bk, bi = bk[keep_b], bi[keep_b]
-        pos = ak.searchsorted(bk, side="right")
-        return _Run(np.insert(ak, pos, bk), np.insert(ai, pos, bi))
-
     def _add_run(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        self._runs.append(_Run(keys, ids))
+        self._runs.append(PostingRun(keys, ids))
         self._postings += int(keys.size)
         while len(self._runs) >= 2 and self._runs[-2].keys.size <= _MERGE_RATIO * max(
             self._runs[-1].keys.size, 1
@@ -430,7 +371,7 @@ class TokenIndex:
             b = self._runs.pop()
             a = self._runs.pop()
             before = a.keys.size + b.keys.size
-            merged = self._merge(a, b)
+            merged = merge_runs(a, b, self._alive)
             self._postings -= before - merged.keys.size
             self._runs.append(merged)
 
@@ -450,7 +391,7 @@ class TokenIndex:
         keep = self._alive[ids]
         keys, ids = keys[keep], ids[keep]
         order = np.argsort(keys, kind="stable")
-        self._runs = [_Run(keys[order], ids[order])] if keys.size else []
+        self._runs = [PostingRun(keys[order], ids[order])] if keys.size else []
         self._postings = int(keys.size)
 
     def _renumber(self) -> None:
@@ -464,7 +405,7 @@ class TokenIndex:
             records[new_id] = rec
             self._by_handle[rec.handle] = new_id
         self._records = records
-        self._runs = [_Run(run.keys, remap[run.ids].astype(_ID_DTYPE)) for run in self._runs]
+        self._runs = [PostingRun(run.keys, remap[run.ids].astype(_ID_DTYPE)) for run in self._runs]
         self._next_id = len(records)
         self._alive = np.zeros(max(1024, 2 * self._next_id), dtype=bool)
         self._alive[: self._next_id] = True

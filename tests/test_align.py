@@ -9,14 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semblend_sglang.align import (
-    UNBOUNDED,
-    AlignLimits,
-    Span,
-    align,
-    anchor_geometry,
-    anchors_of,
-)
+from semblend_sglang.align import UNBOUNDED, AlignLimits, Span, align
+from semblend_sglang.anchors import anchor_geometry, anchors_of
 from semblend_sglang.chunking import token_prefix
 
 
