@@ -75,7 +75,7 @@ class RequestDecisions:
         if pending is not None:
             self.telemetry.record_outcome("declined", reason=Reason.UNREPORTED)
 
-    def settle(
+    def report(
         self,
         request_id: Hashable,
         outcome: str,

@@ -14,7 +14,6 @@ tensor-parallel rank fed the same calls decides the same.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -28,20 +27,13 @@ from .decisions import MAX_CACHED_REQUESTS, RequestDecisions
 from .embed import DonorSimilarity, WindowedEmbedder, load_embedder
 from .index import Candidate, TokenIndex
 from .lookup_budget import LookupBudget
+from .lookup_params import Detokenize, DonorAlive, LookupParams, TokenSource
 from .namespace import Namespace
+from .once_log import OnceLog
 from .plan import Decision, Reason, build_plan, cover, prefilter
 from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
-
-TokenSource = Callable[[Hashable], "Sequence[int] | np.ndarray | None"]
-"""Returns a donor's tokens from the engine, or None when its KV is gone."""
-DonorAlive = Callable[[Hashable, np.ndarray], int]
-"""How many leading tokens of donor ``handle`` (given its tokens) the engine still holds KV for;
-asked per candidate during a lookup, so that an evicted donor is forgotten and the next candidate
-tried, and a partly evicted one is aligned over what is left."""
-Detokenize = Callable[[Sequence[int]], str]
-"""Turns token ids back into text (only for the embedder)."""
 
 
 class SemanticProvider:
@@ -75,9 +67,8 @@ class SemanticProvider:
             keep_tokens=token_source is None,
             max_bytes=config.max_index_bytes,
         )
-        self._lock = threading.Lock()
         self.decisions = RequestDecisions(self.telemetry, max_cached_requests)
-        self._logged: set[tuple[str, str]] = set()
+        self._failures = OnceLog(logger)
         needs_embedder = config.embedder == "minilm" and (
             config.mode == "substitute" or (config.discovery_only and config.embed_discovery)
         )
@@ -136,39 +127,29 @@ class SemanticProvider:
         return result
 
     # ------------------------------------------------------------------ lookup
-    def lookup(
-        self,
-        namespace: Namespace,
-        token_ids: Sequence[int],
-        exact_len: int,
-        request_id: Hashable | None,
-        *,
-        page_size: int = 1,
-        alive: DonorAlive | None = None,
-    ) -> Decision:
-        """Decide how request ``request_id`` (prompt ``token_ids``, exact prefix hit ``exact_len``
-        from the engine's own cache) should prefill: exact, plan or decline.
+    def lookup(self, params: LookupParams) -> Decision:
+        """Decide how request ``params.request_id`` should prefill: exact, plan or decline.
 
-        ``alive``: the engine's count of a candidate donor's leading tokens whose KV is still
-        there; a candidate with fewer than ``min_span_tokens`` left is forgotten and the next one
-        tried, another is aligned over what is left (None: every indexed donor is taken as
-        whole; the engine finds out at its copy).
+        A candidate donor with fewer than ``min_span_tokens`` tokens ``params.alive`` is
+        forgotten and the next one tried; another is aligned over what is left.
 
         The first decision for a request id is cached until :meth:`release`; later calls return it
-        at the cost of a dict lookup (``request_id=None`` disables caching). ``page_size`` is the
-        engine's KV page size (plans are page-aligned on the target side). exact and decline
+        at the cost of a dict lookup (``request_id=None`` disables caching). exact and decline
         decisions record the request's outcome at once; a plan's outcome is recorded when the
         engine reports it. Never raises: errors give ``Decision("decline", "cold_fallback")``.
         """
+        request_id = params.request_id
         if request_id is not None:
             cached = self.decisions.get(request_id)
             if cached is not None:
                 return cached
         started = time.perf_counter()
         try:
-            decision = self._decide(namespace, token_ids, exact_len, page_size, alive)
+            decision = self._decide(
+                params.namespace, params.token_ids, params.exact_len, params.page_size, params.alive
+            )
         except Exception as exc:
-            self._log_once("lookup", exc)
+            self._failures.log("lookup", exc)
             self.telemetry.record_error("lookup")
             decision = Decision.decline(Reason.COLD_FALLBACK)
         self.telemetry.observe_lookup(time.perf_counter() - started)
@@ -195,20 +176,20 @@ class SemanticProvider:
         """The engine materialized ``reused_tokens`` donor tokens of the request's plan, in
         ``spans`` spans read from ``donors`` distinct donors. Returns False (and records
         nothing) when the request has no pending plan."""
-        return self.decisions.settle(request_id, "materialized", None, reused_tokens, spans, donors)
+        return self.decisions.report(request_id, "materialized", None, reused_tokens, spans, donors)
 
     def record_declined(self, request_id: Hashable, reason: str = Reason.ENGINE_DECLINED) -> bool:
         """The engine did not use the request's plan (``reason``, e.g. capacity or stale donor).
         Returns False when the request has no pending plan."""
-        return self.decisions.settle(request_id, "declined", reason, 0)
+        return self.decisions.report(request_id, "declined", reason, 0)
 
     def record_cold_fallback(self, request_id: Hashable, where: str = "engine") -> bool:
         """Materializing the request's plan failed; the engine fell back to a normal prefill.
         Returns False when the request has no pending plan."""
-        settled = self.decisions.settle(request_id, "cold_fallback", None, 0)
-        if settled:
+        reported = self.decisions.report(request_id, "cold_fallback", None, 0)
+        if reported:
             self.telemetry.record_error(where)
-        return settled
+        return reported
 
     def snapshot(self) -> dict[str, Any]:
         """Telemetry snapshot plus index statistics and the number of pending plans."""
@@ -455,20 +436,6 @@ class SemanticProvider:
         try:
             return work()
         except Exception as exc:
-            self._log_once(where, exc)
+            self._failures.log(where, exc)
             self.telemetry.record_error(where)
             return None
-
-    def _log_once(self, where: str, exc: BaseException) -> None:
-        key = (where, type(exc).__name__)
-        with self._lock:
-            if key in self._logged:
-                return
-            self._logged.add(key)
-        logger.warning(
-            "semblend %s failed (%s: %s); falling back",
-            where,
-            type(exc).__name__,
-            exc,
-            exc_info=exc,
-        )

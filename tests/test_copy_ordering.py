@@ -17,8 +17,9 @@ import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.patches.sglang import one_pass
-from semblend_sglang.patches.sglang.runtime import SemblendRuntime
+from semblend_sglang.patches.sglang.request_flow import RequestFlow
 from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
+from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
 
 
 class _Stream:
@@ -43,7 +44,7 @@ def test_the_copy_waits_for_the_forward_stream_mock_cuda_streams(
     assert current.waited == [forward]
 
 
-def _scheduler_class(server_args: Any, forward_stream: Any, runtime: SemblendRuntime) -> type:
+def _scheduler_class(server_args: Any, forward_stream: Any, flow: RequestFlow) -> type:
     """A stand-in scheduler class setting what sglang's ``Scheduler.__init__`` sets that the
     wrapper reads, with the real wrapper installed."""
 
@@ -53,7 +54,7 @@ def _scheduler_class(server_args: Any, forward_stream: Any, runtime: SemblendRun
             self.model_config = None
             self.forward_stream = forward_stream
 
-    Scheduler.__init__ = wrap_scheduler_init(Scheduler.__init__, runtime)  # type: ignore[method-assign]
+    Scheduler.__init__ = wrap_scheduler_init(Scheduler.__init__, flow)  # type: ignore[method-assign]
     return Scheduler
 
 
@@ -65,7 +66,8 @@ def test_the_scheduler_hands_its_forward_stream_to_the_runtime_stand_in_schedule
     forward = _Stream()
     for options, active in (({}, True), ({"page_size": 16}, False)):
         args = ServerArgs(model_path=str(smollm2_model_dir), device="cpu", **options)
-        runtime = SemblendRuntime(Config())
-        _scheduler_class(args, forward, runtime)()
+        flow = UnifiedRadixCacheAdapter(Config()).flow
+        runtime = flow.runtime
+        _scheduler_class(args, forward, flow)()
         assert runtime.forward_stream is forward  # handed over, refused or not
         assert runtime.active is active

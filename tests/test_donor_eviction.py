@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.config import Config
-from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
+from semblend_sglang.patches.sglang.held_donors import held_of
 from tests.harness import (
     HarnessConfig,
     SglangCacheHarness,
@@ -36,7 +36,7 @@ def _dead_donors(h: SglangCacheHarness, adapter: Any) -> list[Any]:
     harness stores each position's chain hash in its KV, so the donor's prefix is in the tree
     when a tree slot at its last position holds its chain hash."""
     runtime = adapter.runtime
-    store = getattr(h.cache, HELD_ATTR, None)
+    store = held_of(h.cache)
     walk = h.cache.tree_core.walk_for_kv_canary(False, False)
     at = CONFIG.min_span_tokens - 1
     held_hashes = {

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from semblend_sglang import embed
 from semblend_sglang.config import Config
 from semblend_sglang.embed import cosine, load_embedder, minilm_model_dir, window_bounds
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.provider import SemanticProvider
 
@@ -84,7 +85,7 @@ def test_substitute_gate_with_minilm(
         config, registry=CollectorRegistry(), detokenize=detok, embedder=embedder
     )
     provider.register(NS, "d", donor)
-    decision = provider.lookup(NS, target, 0, "q")
+    decision = provider.lookup(LookupParams(NS, target, 0, "q"))
     assert decision.plan is not None and decision.plan.substitute
     assert decision.plan.similarity is not None and decision.plan.similarity >= 0.6
     picky = SemanticProvider(
@@ -94,7 +95,7 @@ def test_substitute_gate_with_minilm(
         embedder=embedder,
     )
     picky.register(NS, "d", donor)
-    assert picky.lookup(NS, target, 0, "q").reason == "similarity_low"
+    assert picky.lookup(LookupParams(NS, target, 0, "q")).reason == "similarity_low"
 
 
 def test_provider_works_without_sentence_transformers(
@@ -113,7 +114,7 @@ def test_provider_works_without_sentence_transformers(
         detokenize=smollm2_tokenizer.decode,
     )
     substitute.register(NS, "d", donor)
-    assert substitute.lookup(NS, target, 0, "q").reason == "no_embedder"
+    assert substitute.lookup(LookupParams(NS, target, 0, "q")).reason == "no_embedder"
     exact = SemanticProvider(Config(), registry=CollectorRegistry())
     exact.register(NS, "d", donor)
-    assert exact.lookup(NS, target, 0, "q").kind == "plan"  # token index alone
+    assert exact.lookup(LookupParams(NS, target, 0, "q")).kind == "plan"  # token index alone

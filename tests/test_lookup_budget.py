@@ -22,6 +22,7 @@ from semblend_sglang.lookup_budget import (
     WORK_UNITS_PER_MS,
     LookupBudget,
 )
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 from semblend_sglang.provider import SemanticProvider
@@ -118,8 +119,8 @@ def test_adversarial_streams_stay_within_the_budget_and_decide_alike(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(provider_module, "LookupBudget", _Recording)
         first = _provider(stream, budget_ms)
-        a = first.lookup(NS, stream.query, 0, "r")
-        b = _provider(stream, budget_ms).lookup(NS, stream.query, 0, "r")
+        a = first.lookup(LookupParams(NS, stream.query, 0, "r"))
+        b = _provider(stream, budget_ms).lookup(LookupParams(NS, stream.query, 0, "r"))
     assert [0 <= x.remaining <= x.total for x in _Recording.made] == [True] * len(_Recording.made)
     assert (a.kind, a.reason, a.plan) == (b.kind, b.reason, b.plan)
     assert a.reason != Reason.COLD_FALLBACK  # no error inside the lookup
@@ -129,11 +130,11 @@ def test_adversarial_streams_stay_within_the_budget_and_decide_alike(
 def test_a_long_prompt_over_the_budget_goes_on_cold_counted() -> None:
     stream = long_similar(20_000)
     tight = _provider(stream, 0.05)  # 50,000 units: less than hashing 20,000 tokens
-    decision = tight.lookup(NS, stream.query, 0, None)
+    decision = tight.lookup(LookupParams(NS, stream.query, 0, None))
     assert decision.kind == "decline" and decision.reason == Reason.LOOKUP_BUDGET
     assert tight.snapshot()["declined"].get(Reason.LOOKUP_BUDGET) == 1
     roomy = _provider(stream, 5.0)
-    planned = roomy.lookup(NS, stream.query, 0, None)
+    planned = roomy.lookup(LookupParams(NS, stream.query, 0, None))
     assert planned.kind == "plan"
     _check_plan(stream, roomy, planned)
 
@@ -143,7 +144,7 @@ def test_a_spent_budget_keeps_the_plan_found_so_far() -> None:
     finds the identical run."""
     stream = repeated_token(12_000)
     provider = _provider(stream, 1.0)
-    decision = provider.lookup(NS, stream.query, 0, None)
+    decision = provider.lookup(LookupParams(NS, stream.query, 0, None))
     assert decision.kind == "plan"
     assert sum(s.length for s in decision.plan.spans) >= 11_000
     _check_plan(stream, provider, decision)

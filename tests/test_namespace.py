@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from semblend_sglang.config import Config
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace, namespace_salt, tokenizer_fingerprint
 from semblend_sglang.provider import SemanticProvider
 
@@ -85,17 +86,17 @@ def test_no_donor_is_returned_across_namespaces(
     config = Config(min_prompt_tokens=64)
     provider = SemanticProvider(config, registry=CollectorRegistry())
     provider.register(BASE, "donor", tokens)
-    hit = provider.lookup(BASE, query, 0, "same")
+    hit = provider.lookup(LookupParams(BASE, query, 0, "same"))
     assert hit.kind == "plan"
     assert hit.plan is not None and hit.plan.donor_namespace == BASE
     for i, field in enumerate(dataclasses.fields(Namespace)):
         for value in ("different", None if field.name != "model" else "m2"):
             other = dataclasses.replace(BASE, **{field.name: value})
-            decision = provider.lookup(other, query, 0, f"other-{i}-{value}")
+            decision = provider.lookup(LookupParams(other, query, 0, f"other-{i}-{value}"))
             assert decision.kind == "decline", field.name
             assert decision.reason == "no_donor"
     # the same content registered in the other namespace is found there, and only there
     other = dataclasses.replace(BASE, adapter="lora-b")
     provider.register(other, "donor-b", tokens)
-    decision = provider.lookup(other, query, 0, "b")
+    decision = provider.lookup(LookupParams(other, query, 0, "b"))
     assert decision.plan is not None and decision.plan.donor_handle == "donor-b"

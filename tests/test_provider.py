@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from semblend_sglang.config import Config
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Decision
 from semblend_sglang.provider import SemanticProvider
@@ -42,7 +43,7 @@ def test_shifted_context_is_reused(essay_ids: np.ndarray, shift: int, with_sourc
     for handle, tokens in donors.items():
         provider.register(NS, handle, tokens)
     target = np.concatenate([essay_ids[100000 : 100000 + shift], donors["d3"]])
-    decision = provider.lookup(NS, target, 0, "req", page_size=16)
+    decision = provider.lookup(LookupParams(NS, target, 0, "req", page_size=16))
     assert decision.kind == "plan", decision.reason
     plan = decision.plan
     assert plan is not None and plan.donor_handle == "d3"
@@ -63,24 +64,24 @@ def test_reordered_passages_are_all_reused(essay_ids: np.ndarray) -> None:
     config = Config(strict_prefix_boundary=False, max_spans=8, sink_tokens=0)
     provider = new_provider(config)
     provider.register(NS, "rag", donor)
-    decision = provider.lookup(NS, target, 0, "q")
+    decision = provider.lookup(LookupParams(NS, target, 0, "q"))
     assert decision.plan is not None
     assert len(decision.plan.spans) == 6
     assert decision.plan.reused_tokens >= 6 * 500 - 1  # the last token is left to compute
     # strict_prefix_boundary plans one region: 500 of 3,040 tokens is too little
     strict = new_provider(Config(strict_prefix_boundary=True, sink_tokens=0))
     strict.register(NS, "rag", donor)
-    assert strict.lookup(NS, target, 0, "q").reason == "reuse_ratio_low"
+    assert strict.lookup(LookupParams(NS, target, 0, "q")).reason == "reuse_ratio_low"
     lenient = new_provider(Config(strict_prefix_boundary=True, sink_tokens=0, min_reuse_ratio=0.1))
     lenient.register(NS, "rag", donor)
-    one = lenient.lookup(NS, target, 0, "q")
+    one = lenient.lookup(LookupParams(NS, target, 0, "q"))
     assert one.plan is not None and len(one.plan.spans) == 1
 
 
 def test_exact_len_is_respected(essay_ids: np.ndarray) -> None:
     provider = new_provider()
     provider.register(NS, "d", essay_ids[:3000])
-    decision = provider.lookup(NS, essay_ids[:2000], 512, "q")
+    decision = provider.lookup(LookupParams(NS, essay_ids[:2000], 512, "q"))
     assert decision.plan is not None
     assert decision.plan.exact_len == 512
     assert decision.plan.spans[0].target_start >= 512 + 4
@@ -97,13 +98,13 @@ def test_repeated_lookup_is_cached_until_release(essay_ids: np.ndarray) -> None:
     provider = new_provider(token_source=source)
     provider.register(NS, "d", essay_ids[:3000])
     target = np.concatenate([essay_ids[9000:9100], essay_ids[:3000]])
-    first = provider.lookup(NS, target, 0, "q")
+    first = provider.lookup(LookupParams(NS, target, 0, "q"))
     for _ in range(50):
-        assert provider.lookup(NS, target, 0, "q") is first
+        assert provider.lookup(LookupParams(NS, target, 0, "q")) is first
     assert calls == ["d"]
     assert provider.snapshot()["lookups"] == 1
     provider.release("q")
-    assert provider.lookup(NS, target, 0, "q") == first
+    assert provider.lookup(LookupParams(NS, target, 0, "q")) == first
     assert calls == ["d", "d"]
 
 
@@ -114,11 +115,11 @@ def test_evicted_donor_is_forgotten_and_the_next_candidate_used(essay_ids: np.nd
     provider.register(NS, "newer", store["newer"])
     del store["newer"]  # the engine evicted it
     target = np.concatenate([essay_ids[9000:9100], essay_ids[:3000]])
-    decision = provider.lookup(NS, target, 0, "q")
+    decision = provider.lookup(LookupParams(NS, target, 0, "q"))
     assert decision.plan is not None and decision.plan.donor_handle == "older"
     assert "newer" not in provider.index
     del store["older"]
-    assert provider.lookup(NS, target, 0, "q2").reason == "donor_evicted"
+    assert provider.lookup(LookupParams(NS, target, 0, "q2")).reason == "donor_evicted"
     assert len(provider.index) == 0
 
 
@@ -126,8 +127,8 @@ def test_errors_never_reach_the_caller(essay_ids: np.ndarray) -> None:
     provider = new_provider()
     provider.register(NS, "bad", np.zeros((3, 3), dtype=np.int64))  # 2-D: rejected, counted
     provider.register(NS, "neg", [-1] * 100)
-    assert provider.lookup(NS, [-5] * 400, 0, "q1").reason == "cold_fallback"
-    assert provider.lookup(NS, "not tokens", 0, "q2").reason == "cold_fallback"  # type: ignore[arg-type]
+    assert provider.lookup(LookupParams(NS, [-5] * 400, 0, "q1")).reason == "cold_fallback"
+    assert provider.lookup(LookupParams(NS, "not tokens", 0, "q2")).reason == "cold_fallback"  # type: ignore[arg-type]
     provider.forget(["unhashable"])  # type: ignore[arg-type]
     snap = provider.snapshot()
     assert snap["errors"]["register"] == 2
@@ -140,7 +141,7 @@ def test_discovery_only_reports_evidence_and_never_plans(essay_ids: np.ndarray) 
     provider = new_provider(Config.from_env({"SEMBLEND_DISCOVERY_ONLY": "1"}))
     provider.register(NS, "d", essay_ids[:3000])
     target = np.concatenate([essay_ids[9000:9100], essay_ids[:3000]])
-    decision = provider.lookup(NS, target, 0, "q")
+    decision = provider.lookup(LookupParams(NS, target, 0, "q"))
     assert decision.kind == "decline" and decision.reason == "discovery_only"
     assert decision.plan is None
     assert decision.evidence is not None and decision.evidence.donor_handle == "d"
@@ -161,7 +162,9 @@ def test_substitute_mode_with_sketch_similarity(essay_ids: np.ndarray) -> None:
     provider.register(NS, "d", donor)
     edited = donor.copy()
     edited[2000:2600:25] = essay_ids[90000:90024]  # one token in 25 changed in one region
-    decision = provider.lookup(NS, np.concatenate([essay_ids[9000:9050], edited]), 0, "q")
+    decision = provider.lookup(
+        LookupParams(NS, np.concatenate([essay_ids[9000:9050], edited]), 0, "q")
+    )
     assert decision.plan is not None
     assert decision.plan.substitute is True
     assert decision.plan.similarity is not None and decision.plan.similarity >= 0.2
@@ -175,7 +178,10 @@ def test_substitute_mode_with_sketch_similarity(essay_ids: np.ndarray) -> None:
     )
     strict.register(NS, "d", donor)
     far = np.concatenate([essay_ids[50000:52500], donor[:600]])
-    assert strict.lookup(NS, far, 0, "q").reason in ("similarity_low", "reuse_ratio_low")
+    assert strict.lookup(LookupParams(NS, far, 0, "q")).reason in (
+        "similarity_low",
+        "reuse_ratio_low",
+    )
 
 
 def _scenario_calls(essay_ids: np.ndarray) -> list[tuple[str, Any]]:
@@ -206,7 +212,9 @@ def run_scenario(essay_ids: np.ndarray) -> list[str]:
         else:
             rid, start, head, exact = args
             target = np.concatenate([essay_ids[-head:], essay_ids[start : start + 2500]])
-            out.append(describe(provider.lookup(NS, target, exact, rid, page_size=16)))
+            out.append(
+                describe(provider.lookup(LookupParams(NS, target, exact, rid, page_size=16)))
+            )
     return out
 
 
@@ -251,7 +259,7 @@ def test_eight_threads_lose_no_donor_and_raise_nothing(essay_ids: np.ndarray) ->
                 start = ((t * per_thread + i) * 1499) % (essay_ids.size - 2000)
                 provider.register(NS, (t, i), essay_ids[start : start + 1500])
                 target = np.concatenate([essay_ids[-37:], essay_ids[start : start + 1500]])
-                d = provider.lookup(NS, target, 0, f"{t}-{i}")
+                d = provider.lookup(LookupParams(NS, target, 0, f"{t}-{i}"))
                 with lock:
                     decisions.append(d)
                 if i % 3 == 0:
@@ -301,7 +309,7 @@ def test_passages_seen_in_different_donors_are_reused_from_each(
     for pid in target_ids[::-1]:
         parts += [label, corpus[pid]]
     target = np.concatenate([*parts, essay_ids[95000:95020]])
-    decision = provider.lookup(NS, target, 0, "q")
+    decision = provider.lookup(LookupParams(NS, target, 0, "q"))
     assert decision.plan is not None, decision
     plan = decision.plan
     assert set(plan.donors) == set(donors)  # one donor per passage
@@ -319,7 +327,7 @@ def test_passages_seen_in_different_donors_are_reused_from_each(
     one = new_provider(Config(min_prompt_tokens=64, min_reuse_tokens=32, max_plan_donors=1))
     for handle, tokens in donors.items():
         one.register(NS, handle, tokens)
-    single = one.lookup(NS, target, 0, "q")
+    single = one.lookup(LookupParams(NS, target, 0, "q"))
     assert single.plan is None or len(single.plan.donors) == 1
 
 
@@ -341,13 +349,13 @@ def test_an_evicted_candidate_is_forgotten_and_the_next_one_used(
         asked.append(handle)
         return 0 if handle == "new" else len(tokens)
 
-    decision = provider.lookup(NS, target, 0, "r1", alive=alive)
+    decision = provider.lookup(LookupParams(NS, target, 0, "r1", alive=alive))
     assert decision.kind == "plan", decision.reason
     assert decision.plan is not None and set(decision.plan.donors) == {"old"}
     assert asked[0] == "new" and "old" in asked
     assert provider.donor_tokens("new") is None  # forgotten
-    half = provider.lookup(NS, target, 0, "r2", alive=lambda h, t: 40 + 1000)
+    half = provider.lookup(LookupParams(NS, target, 0, "r2", alive=lambda h, t: 40 + 1000))
     assert half.kind == "plan" and half.plan is not None
     assert max(s.donor_end for s in half.plan.spans) <= 1040  # only what is left is aligned
-    gone = provider.lookup(NS, target, 0, "r3", alive=lambda h, t: 0)
+    gone = provider.lookup(LookupParams(NS, target, 0, "r3", alive=lambda h, t: 0))
     assert gone.kind == "decline" and gone.reason == "donor_evicted"

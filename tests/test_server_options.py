@@ -132,18 +132,20 @@ def test_rope_comes_from_the_engines_resolved_config_not_config_json(
     resolved config, so keys are rotated with YaRN's frequencies."""
     from semblend_sglang.patches.sglang.runtime import SemblendRuntime
     from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
+    from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
     overrides = {"rope_scaling": yarn, "rope_parameters": {**yarn, "rope_theta": 100000.0}}
     model_config = _model_config(smollm2_model_dir, overrides)
-    runtime = SemblendRuntime(Config())
+    flow = UnifiedRadixCacheAdapter(Config()).flow
+    runtime = flow.runtime
 
     class FakeSchedulerBuiltElsewhere:  # the real Scheduler needs a model process to build
         def __init__(self) -> None:
             self.server_args = _server_args(smollm2_model_dir)
             self.model_config = model_config
 
-    init = wrap_scheduler_init(FakeSchedulerBuiltElsewhere.__init__, runtime)
+    init = wrap_scheduler_init(FakeSchedulerBuiltElsewhere.__init__, flow)
     init(FakeSchedulerBuiltElsewhere.__new__(FakeSchedulerBuiltElsewhere))
     assert runtime.active
     spec = runtime.rope_spec(str(smollm2_model_dir))

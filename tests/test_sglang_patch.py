@@ -18,7 +18,7 @@ import pytest
 
 from semblend_sglang.config import Config
 from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
-from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
+from semblend_sglang.patches.sglang.held_donors import held_of
 from semblend_sglang.plan import Reason
 from tests.harness import (
     HarnessConfig,
@@ -54,9 +54,9 @@ def test_reuse_is_reported_to_the_client_only_when_configured(
         h.submit(instructions[0] + doc)
         h.run_until_idle()
         target = h.submit(instructions[4] + instructions[2] + doc, max_new_tokens=2)
-        runtime = adapter.runtime
-        step_until(h, lambda: materialized(runtime, target.rid))
-        reused = runtime.requests[target.rid].reused_total
+
+        step_until(h, lambda: materialized(adapter.flow, target.rid))
+        reused = adapter.flow.requests[target.rid].reused_total
         h.run_until_idle()
         assert reused > 0 and target.finished()
         exact = target.cached_tokens - reused
@@ -101,7 +101,7 @@ def test_randomized_multi_donor_traffic_with_retraction_keeps_every_invariant(
     assert counts["retracted"] >= 3 and counts["aborted"] >= 3, counts
     assert Reason.UNREPORTED not in snap["declined"], snap  # every plan's outcome was recorded
     assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
-    assert not multi_span_adapter.runtime.requests, "request state leaked past release"
+    assert not multi_span_adapter.flow.requests, "request state leaked past release"
     assert_drained(harness)
 
 
@@ -126,12 +126,12 @@ def test_a_donor_evicted_before_the_lookup_is_skipped_for_the_next_candidate(
     ghost = runtime.donor_handle("gone")
     assert len(runtime.provider.index) == 2
     target = h.submit(instructions[2] + doc, max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, target.rid))
-    state = runtime.requests[target.rid]
+    step_until(h, lambda: materialized(adapter.flow, target.rid))
+    state = adapter.flow.requests[target.rid]
     assert ghost not in state.plan.donors and not runtime.is_donor(ghost)
     assert [runtime.donor_tokens(d).tolist() for d in state.donors_loaded] == [older]
     assert state.reused_total >= len(doc) - 2 * CONFIG.sink_tokens - 4
-    assert check_loaded_kv(h, runtime, target) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
     assert runtime.snapshot()["declined"].get("donor_evicted") is None
     check_invariants(h, full_kv=True)
@@ -168,8 +168,8 @@ def _recipient_donates_its_head_only(
     h.run_until_idle()
     recipient_tokens = instructions[1] + doc_b + doc_a
     recipient = h.submit(recipient_tokens, max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, recipient.rid))
-    cap = runtime.requests[recipient.rid].publish_cap
+    step_until(h, lambda: materialized(adapter.flow, recipient.rid))
+    cap = adapter.flow.requests[recipient.rid].publish_cap
     assert len(instructions[1] + doc_b) <= cap < len(recipient_tokens) - len(doc_a) // 2
     h.run_until_idle()
     assert len(runtime.provider.index) == 2  # the donor, and the recipient's head
@@ -178,11 +178,11 @@ def _recipient_donates_its_head_only(
     check_invariants(h, full_kv=True)  # the head in the tree holds cold KV
 
     target = h.submit(instructions[2] + doc_b + instructions[3], max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, target.rid))
-    state = runtime.requests[target.rid]
+    step_until(h, lambda: materialized(adapter.flow, target.rid))
+    state = adapter.flow.requests[target.rid]
     assert all(len(runtime.donor_tokens(d)) == cap for _, d in state.loaded_pieces)
     assert state.reused_total >= len(doc_b) - 2 * CONFIG.sink_tokens - 2
-    assert check_loaded_kv(h, runtime, target) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
     check_invariants(h, full_kv=True)
     assert_drained(h)
@@ -208,11 +208,11 @@ def test_a_recipient_holds_the_prompt_it_did_not_publish_as_donor_kv(
     h.run_until_idle()
     recipient_tokens = instructions[1] + doc_a + doc_b
     recipient = h.submit(recipient_tokens, max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, recipient.rid))
-    cap = runtime.requests[recipient.rid].publish_cap
+    step_until(h, lambda: materialized(adapter.flow, recipient.rid))
+    cap = adapter.flow.requests[recipient.rid].publish_cap
     assert cap < len(instructions[1] + doc_a)  # doc_b was computed after the first copy
     h.run_until_idle()
-    store = getattr(h.cache, HELD_ATTR)
+    store = held_of(h.cache)
     assert len(store) == 1
     (handle,) = store.handles()
     entry = store.get(handle)
@@ -221,11 +221,11 @@ def test_a_recipient_holds_the_prompt_it_did_not_publish_as_donor_kv(
     check_invariants(h, full_kv=True)  # the tree holds cold KV only; held slots accounted
 
     target = h.submit(instructions[2] + doc_b + instructions[3], max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, target.rid))
-    state = runtime.requests[target.rid]
+    step_until(h, lambda: materialized(adapter.flow, target.rid))
+    state = adapter.flow.requests[target.rid]
     assert state.donors_loaded == frozenset({handle})
     assert state.reused_total >= len(doc_b) - 2 * CONFIG.sink_tokens - 2
-    assert check_loaded_kv(h, runtime, target) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
     check_invariants(h, full_kv=True)
 
@@ -277,7 +277,7 @@ def test_a_request_that_opts_out_is_never_planned_and_still_donates(
     own = h.submit(instructions[4] + other, custom_params={"semblend_reuse": False})
     h.run_until_idle()
     snap = runtime.snapshot()
-    assert all(r.finished() and r.rid not in runtime.requests for r in [*outs, own])
+    assert all(r.finished() and r.rid not in adapter.flow.requests for r in [*outs, own])
     assert snap["declined"].get(Reason.OPTED_OUT) == 4
     assert snap["outcomes"]["materialized"] == 0 and snap["reused_tokens"] == 0
     later = h.submit(instructions[2] + other, custom_params={"semblend_reuse": "on"})
@@ -319,14 +319,15 @@ def test_hook_time_is_counted_on_every_request_path_hook(
     instructions: list[list[int]],
 ) -> None:
     runtime = adapter.runtime
+    flow = adapter.flow
     calls: dict[str, int] = {}
-    real = runtime.guarded
+    real = flow.guarded
 
     def counting(where: str, *args: Any) -> Any:
         calls[where] = calls.get(where, 0) + 1
         return real(where, *args)
 
-    runtime.guarded = counting  # type: ignore[method-assign]
+    flow.guarded = counting  # type: ignore[method-assign]
     h = SglangCacheHarness(HarnessConfig(pool_tokens=4096), model_config)  # resets the cache
     target = semantic_pair(h, passages, instructions)
     h.run_until_idle()

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from semblend_sglang.config import Config
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.provider import SemanticProvider
 from semblend_sglang.telemetry import OUTCOMES, Telemetry
@@ -91,32 +92,34 @@ def test_exactly_one_outcome_per_request(essay_ids: np.ndarray) -> None:
 
     # exact route, decided once however often the engine asks
     for _ in range(5):
-        assert provider.lookup(NS, essay_ids[:3000], 2900, "r-exact").kind == "exact"
+        assert provider.lookup(LookupParams(NS, essay_ids[:3000], 2900, "r-exact")).kind == "exact"
     # decline
-    assert provider.lookup(NS, essay_ids[20000:21000], 0, "r-miss").reason == "no_donor"
+    assert (
+        provider.lookup(LookupParams(NS, essay_ids[20000:21000], 0, "r-miss")).reason == "no_donor"
+    )
     # plan -> materialized (a second report is ignored)
-    assert provider.lookup(NS, shifted, 0, "r-hit").kind == "plan"
-    assert provider.lookup(NS, shifted, 0, "r-hit").kind == "plan"
+    assert provider.lookup(LookupParams(NS, shifted, 0, "r-hit")).kind == "plan"
+    assert provider.lookup(LookupParams(NS, shifted, 0, "r-hit")).kind == "plan"
     assert provider.record_materialized("r-hit", 2900) is True
     assert provider.record_materialized("r-hit", 2900) is False
     assert provider.record_declined("r-hit") is False
     # plan -> engine declined
-    assert provider.lookup(NS, shifted, 0, "r-engine-no").kind == "plan"
+    assert provider.lookup(LookupParams(NS, shifted, 0, "r-engine-no")).kind == "plan"
     assert provider.record_declined("r-engine-no", "engine_declined")
     # plan never reported -> counted as unreported when released
-    assert provider.lookup(NS, shifted, 0, "r-silent").kind == "plan"
+    assert provider.lookup(LookupParams(NS, shifted, 0, "r-silent")).kind == "plan"
     provider.release("r-silent")
     provider.release("r-silent")
     # plan -> engine failed
-    assert provider.lookup(NS, shifted, 0, "r-fail").kind == "plan"
+    assert provider.lookup(LookupParams(NS, shifted, 0, "r-fail")).kind == "plan"
     assert provider.record_cold_fallback("r-fail", "materialize")
     # internal error -> cold_fallback, nothing raised
     provider.register(NS, "boom", essay_ids[60000:63000])
     bad = np.concatenate([essay_ids[41000:41100], essay_ids[60000:63000]])
-    decision = provider.lookup(NS, bad, 0, "r-error")
+    decision = provider.lookup(LookupParams(NS, bad, 0, "r-error"))
     assert decision.kind == "decline" and decision.reason == "cold_fallback"
     # no request id: uncached, one outcome per call
-    provider.lookup(NS, essay_ids[:100], 0, None)
+    provider.lookup(LookupParams(NS, essay_ids[:100], 0, None))
     # outcome reports for unknown requests change nothing
     assert provider.record_materialized("nobody", 5) is False
 

@@ -41,7 +41,7 @@ from semblend_sglang.kernels.sparse_extend_triton import (
 )
 from semblend_sglang.plan import Reason
 
-from .adapter import Originals, install_wrappers, restore
+from .wrapping import Originals, install_wrappers, restore
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,6 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-HEADS_ATTR = "_semblend_donor_heads"
-"""Attribute of a tree-cache instance that holds its :class:`DonorHeads`."""
-
 
 class DonorHeads:
     """The head slot of each watched donor of one tree cache, and the donors whose head slot was

@@ -59,15 +59,12 @@ from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from .hooked_adapter import HookedAdapter
-from .one_pass import BatchFields, DonorSlots
-from .runtime import RequestReuse
-from .scheduler_hooks import (
-    wrap_add_request_to_queue,
-    wrap_get_internal_state,
-    wrap_scheduler_init,
-)
+from .adapter import HookTable, SglangAdapter
+from .request_flow import RequestFlow
+from .runtime import SemblendRuntime
+from .scheduler_hooks import scheduler_wrappers
 from .substitute import substitute_request
+from .version_view import DonorMatch, DonorMatchParams, DonorSlots, VersionView
 
 logger = logging.getLogger(__name__)
 
@@ -130,60 +127,59 @@ def _unlock_node(cache: Any, node: Any) -> None:
     cache.dec_lock_ref(node)
 
 
-LEGACY_FIELDS = BatchFields(
-    row_of=lambda req: int(req.req_pool_idx),
-    extend_end=lambda req: int(req.extend_range.end),
-    lock=_lock_node,
-    unlock=_unlock_node,
-)
-"""sglang 0.5.15 - 0.5.18: ``req.req_pool_idx``, ``req.extend_range.end``, ``inc_lock_ref`` /
-``dec_lock_ref`` by node."""
-
-
 def _match_len(result: Any) -> int:
     """Tokens a legacy ``MatchResult`` covers: device slots plus the host-resident tail."""
     return len(result.device_indices) + int(getattr(result, "host_hit_length", 0) or 0)
 
 
-class LegacyRadixCacheAdapter(HookedAdapter):
-    """Hooks for sglang 0.5.15 - 0.5.18 (``RadixCache`` / ``HiRadixCache``)."""
+class LegacyRadixCacheAdapter(SglangAdapter):
+    """Hooks for sglang 0.5.15 - 0.5.18 (``RadixCache`` / ``HiRadixCache``): a table of wrappers
+    that call :class:`~.request_flow.RequestFlow`, and this version's
+    :class:`~.version_view.VersionView` (``req.req_pool_idx``, ``req.extend_range.end``,
+    ``inc_lock_ref`` / ``dec_lock_ref`` by node, the donor match through the tree)."""
 
     name = "legacy-radix-cache"
     supported = SpecifierSet(f">={FIRST_VERSION},<{END_VERSION}")
-    batch_fields = LEGACY_FIELDS
 
     def __init__(self, config: Config) -> None:
-        super().__init__(config)
+        view = VersionView(
+            row_of=lambda req: int(req.req_pool_idx),
+            extend_end=lambda req: int(req.extend_range.end),
+            lock=_lock_node,
+            unlock=_unlock_node,
+            match_donor=self._match_donor,
+            cache_supported=self._cache_supported,
+        )
+        super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
         self._served: tuple[type, ...] = ()
 
-    # ----------------------------------------------------------------- install
-    def apply(self) -> None:
-        if self._originals:
-            return
+    # ----------------------------------------------------------------- the hook table
+    def hook_table(self) -> HookTable:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.mem_cache.radix_cache import RadixCache
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
         adapter = self
-        runtime = self.runtime
+        flow = self.flow
         served = _cache_classes()
         self._served = served
         orig_unfinished = RadixCache.cache_unfinished_req
         orig_finished = RadixCache.cache_finished_req
-        orig_internal_state = Scheduler.get_internal_state
-        orig_add_to_queue = Scheduler._add_request_to_queue
         orig_abort = Scheduler.abort_request
-        orig_scheduler_init = Scheduler.__init__
 
         def make_match_prefix(orig_match: Any) -> Any:
             def match_prefix(self: Any, params: Any) -> Any:
                 result = orig_match(self, params)
                 req = getattr(params, "req", None)
-                if req is not None and type(self) in served:
+                key = params.key
+                # EAGLE's bigram keys are not a token prefix the flow can plan on
+                if req is not None and type(self) in served and not getattr(key, "is_bigram", 0):
                     rid = getattr(req, "rid", None)
-                    runtime.guarded(
-                        "match_prefix", rid, None, adapter._on_match, self, params, req, result
+                    limit = getattr(key, "limit", None)
+                    exact = _match_len(result)
+                    flow.guarded(
+                        "match_prefix", rid, None, flow.plan, self, req, key.token_ids, limit, exact
                     )
                 return result
 
@@ -191,16 +187,13 @@ class LegacyRadixCacheAdapter(HookedAdapter):
 
         def cache_unfinished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             rid = getattr(req, "rid", None)
-            state = runtime.state_of(rid) if type(self) in served else None
-            if state is None or not state.reused_any:
+            cap = flow.publish_cap(rid) if type(self) in served else None
+            if cap is None:
                 orig_unfinished(self, req, *args, **kwargs)
                 if type(self) in served:
                     end = int(req.extend_range.end)
-                    runtime.guarded(
-                        "cache_unfinished_req", rid, None, adapter._register_donor, req, end
-                    )
+                    flow.guarded("cache_unfinished_req", rid, None, flow.register_donor, req, end)
                 return
-            cap = state.publish_cap
             if int(req.cache_protected_len) < cap:
                 # T[protected:c) was computed in this chunk before its first copied position
                 # (exact): the original publishes T[0:c), seeing a fill that ends at c.
@@ -210,19 +203,15 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                     orig_unfinished(self, req, *args, **kwargs)
                 finally:
                     req.extend_range = whole
-            runtime.guarded("cache_unfinished_req", rid, None, adapter._keep_unpublished, self, req)
+            flow.guarded("cache_unfinished_req", rid, None, adapter._keep_unpublished, self, req)
             # T[0:c) is in the tree now: the request donates that exact head
-            runtime.guarded(
-                "cache_unfinished_req", rid, None, adapter._register_donor, req, cap, cap
-            )
+            flow.guarded("cache_unfinished_req", rid, None, flow.register_donor, req, cap, cap)
 
         def cache_finished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             if type(self) not in served:
                 orig_finished(self, req, *args, **kwargs)
                 return
-            rid = getattr(req, "rid", None)
-            state = runtime.state_of(rid)
-            cap = state.publish_cap if state is not None and state.reused_any else None
+            cap = flow.publish_cap(getattr(req, "rid", None))
             is_insert = kwargs.get("is_insert", args[0] if args else True)
             published = bool(is_insert) and not getattr(self, "disable_finished_insert", False)
             committed = int(kwargs.get("kv_len_to_handle", getattr(req, "kv_committed_len", 0)))
@@ -230,7 +219,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                 adapter._drop_unpublished(self, req, cap, kwargs)
                 committed = min(committed, cap)
             orig_finished(self, req, *args, **kwargs)
-            runtime.guarded(
+            flow.guarded(
                 "release", None, None, adapter._after_finished, req, published, committed, cap
             )
 
@@ -239,35 +228,22 @@ class LegacyRadixCacheAdapter(HookedAdapter):
             # scheduler.py:3874-3886 only pops it): drop the plans of those that left the queue.
             waiting = list(getattr(self, "waiting_queue", ()))
             out = orig_abort(self, recv_req)
-            runtime.guarded("abort", None, None, adapter._after_abort, waiting, self.waiting_queue)
+            flow.guarded("abort", None, None, adapter._after_abort, waiting, self.waiting_queue)
             return out
 
-        replacements: dict[tuple[type, str], Any] = {}
+        wrappers: dict[tuple[type, str], Any] = {}
         for cls in served:
             if "match_prefix" in cls.__dict__:
-                replacements[(cls, "match_prefix")] = make_match_prefix(
-                    cls.__dict__["match_prefix"]
-                )
-        replacements.update(
+                wrappers[(cls, "match_prefix")] = make_match_prefix(cls.__dict__["match_prefix"])
+        wrappers.update(
             {
                 (RadixCache, "cache_unfinished_req"): cache_unfinished_req,
                 (RadixCache, "cache_finished_req"): cache_finished_req,
-                **self._one_pass_wrappers(ScheduleBatch, ForwardBatch),
+                **self.extend_wrappers(ScheduleBatch, ForwardBatch),
                 (Scheduler, "abort_request"): abort_request,
-                (Scheduler, "get_internal_state"): wrap_get_internal_state(
-                    orig_internal_state, runtime
-                ),
-                (Scheduler, "_add_request_to_queue"): wrap_add_request_to_queue(
-                    orig_add_to_queue, runtime, adapter._substitute
-                ),
-                (Scheduler, "__init__"): wrap_scheduler_init(orig_scheduler_init, runtime),
+                **scheduler_wrappers(flow, Scheduler, Scheduler, adapter._substitute),
             }
         )
-        self._install(replacements)
-        # torch_native only: these versions' TritonAttnBackend has no _forward_extend_kernel
-        # (0.5.15 triton_backend.py:1201 calls extend_attention_fwd directly), so a triton
-        # backend fails sparse_extend_supported and every plan is declined (unsupported_cache).
-        self._install_attention_hooks(triton=False)
         for name in _OTHER_TREE_ENV:
             if parse_flag(os.environ.get(name)):
                 logger.warning(
@@ -275,26 +251,17 @@ class LegacyRadixCacheAdapter(HookedAdapter):
                     "hook; no semantic reuse will happen",
                     name,
                 )
+        # torch_native only: these versions' TritonAttnBackend has no _forward_extend_kernel
+        # (0.5.15 triton_backend.py:1201 calls extend_attention_fwd directly), so a triton
+        # backend fails sparse_extend_supported and every plan is declined (unsupported_cache).
+        return HookTable(wrappers, triton_attention=False)
 
-    @classmethod
-    def _tree_class(cls) -> type:
-        from sglang.srt.mem_cache.radix_cache import RadixCache
-
-        return RadixCache
-
-    # ----------------------------------------------------------------- 1. lookup
-    def _on_match(self, cache: Any, params: Any, req: Any, result: Any) -> None:
-        key = params.key
-        if getattr(key, "is_bigram", False):
-            return  # EAGLE's bigram keys: not a token prefix this adapter can plan on
-        self._plan(cache, req, key.token_ids, getattr(key, "limit", None), _match_len(result))
-
+    # ----------------------------------------------------------------- the view
     def _cache_supported(self, cache: Any) -> bool:
         return (
             type(cache) in self._served
             and not getattr(cache, "is_eagle", False)
-            and self._pool_supported(cache)
-            and self.backend_ok is not False
+            and self.flow.pool_supported(cache)
         )
 
     def _after_abort(self, waiting_before: list[Any], waiting_after: list[Any]) -> None:
@@ -302,12 +269,9 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         still = {id(r) for r in waiting_after}
         for req in waiting_before:
             if id(req) not in still:
-                self.runtime.abort(req.rid)
+                self.flow.abort(req.rid)
 
-    # ----------------------------------------------------------------- 2. copy (one_pass)
-    def _match_donor(
-        self, cache: Any, state: RequestReuse, handle: Any, donor_end: int
-    ) -> tuple[str | None, DonorSlots | None]:
+    def _match_donor(self, params: DonorMatchParams) -> DonorMatch:
         """Where donor ``handle``'s KV for its positions [0, donor_end) is: its tokens matched
         in the tree with the original ``match_prefix`` (which may split a node; slots do not
         move). (donor_on_host, None) when HiCache holds the rest in host memory (the donor is
@@ -316,21 +280,22 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        runtime = self.runtime
+        cache, handle, donor_end = params.cache, params.handle, params.donor_end
+        runtime = self.flow.runtime
         donor = runtime.donor_tokens(handle)
         if donor is None or len(donor) < donor_end:
             runtime.forget_donor(handle)
-            return Reason.DONOR_EVICTED, None
-        key = _radix_key(RadixKey, array("q", donor[:donor_end].tolist()), state.namespace)
+            return DonorMatch.missing(Reason.DONOR_EVICTED)
+        key = _radix_key(RadixKey, array("q", donor[:donor_end].tolist()), params.namespace)
         found = self._donor_match(cache, MatchPrefixParams(key=key))
         on_device = len(found.device_indices)
         if on_device < donor_end:
             if _match_len(found) >= donor_end:
-                return Reason.DONOR_ON_HOST, None
+                return DonorMatch.missing(Reason.DONOR_ON_HOST)
             runtime.forget_donor(handle)
-            return Reason.DONOR_EVICTED, None
+            return DonorMatch.missing(Reason.DONOR_EVICTED)
         path = found.device_indices[:donor_end].to(torch.int64)
-        return None, DonorSlots(path, found.last_device_node)
+        return DonorMatch(DonorSlots(path, found.last_device_node))
 
     def _donor_match(self, cache: Any, params: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
@@ -375,16 +340,16 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         before its last chunk) is declined first: ``aborted``, or ``engine_declined`` for a
         request that did not finish. 0.5.15 calls nothing else on the tree for an aborted
         chunked request (``process_pending_chunked_abort``, scheduler.py:2547)."""
-        runtime = self.runtime
+        flow = self.flow
         try:
-            state = runtime.state_of(req.rid)
+            state = flow.state_of(req.rid)
             if state is not None and state.open and not state.reused_any:
                 reason = Reason.ABORTED if req.finished() else Reason.ENGINE_DECLINED
-                runtime.decline(req.rid, reason)
+                flow.decline(req.rid, reason)
             if register:
-                self._register_donor(req, committed, cap)
+                flow.register_donor(req, committed, cap)
         finally:
-            runtime.release(req.rid)
+            flow.release(req.rid)
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:
@@ -393,7 +358,7 @@ class LegacyRadixCacheAdapter(HookedAdapter):
         if type(cache) not in self._served or cache.disable or getattr(cache, "is_eagle", False):
             return
         substitute_request(
-            self.runtime, scheduler, req, cache, lambda t, ns: self._cached_len(cache, t, ns)
+            self.flow, scheduler, req, cache, lambda t, ns: self._cached_len(cache, t, ns)
         )
 
     def _cached_len(self, cache: Any, tokens: Any, namespace: Namespace) -> int:

@@ -1,4 +1,4 @@
-"""One-pass sparse extend for sglang 0.5.21+: copy every reused span of a prefill batch, then
+"""One-pass sparse extend: copy every reused span of a prefill batch, then
 let the forward compute only the positions that were not reused.
 
 Called after ``ScheduleBatch.prepare_for_extend`` (which laid each request's ``req_to_token`` row
@@ -8,7 +8,7 @@ slots at those positions (K rotated by each span's delta; all spans of the batch
 launch), and the batch's computed tokens (``prefill_input_ids_cpu``, ``out_cache_loc``,
 ``extend_lens``, ``extend_num_tokens``, ``extend_logprob_start_lens``) drop those positions.
 ``prefix_lens``, ``seq_lens`` and the rows stay as they are. The true positions of the computed
-tokens are kept on the batch (:data:`SPARSE_ATTR`) for :func:`forward_positions`, which
+tokens are kept on the batch (:class:`BatchReuse`) for :func:`forward_positions`, which
 ``ForwardBatch.init_new`` uses; the attention backend then masks by position.
 
 The last position of every chunk is always computed: a chunk never has nothing to compute, and
@@ -20,15 +20,15 @@ attention), what was copied is agreed across them before the batch changes
 (:mod:`.rank_agreement`): a position is reused only where every rank copied it.
 
 The algorithm is the same for every sglang version this package serves; what differs between
-versions (where a request's ``req_to_token`` row and chunk end are, how a tree node is locked) is
-a :class:`BatchFields` the adapter passes in (:data:`UNIFIED_FIELDS` for 0.5.21+, the legacy
-adapter's for 0.5.15 - 0.5.18).
+versions (where a request's ``req_to_token`` row and chunk end are, how a tree node is locked,
+where a donor's KV is) is the adapter's :class:`~.version_view.VersionView`. The plans are the
+caller's (:mod:`.request_flow`); this module advances them through their own transitions.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +38,11 @@ from semblend_sglang.align import Span
 from semblend_sglang.plan import Reason
 
 from . import rank_agreement
-from .runtime import RequestReuse, SemblendRuntime
+from .request_reuse import RequestReuse
+from .version_view import DonorMatchParams, VersionView
 
-SPARSE_ATTR = "_semblend_sparse_positions"
-"""ScheduleBatch attribute: {rid: computed positions (CPU int64)} of its sparse requests."""
-
-CHECK_ATTR = "_semblend_check_candidates"
-"""ScheduleBatch attribute: {rid: :class:`CheckCandidates`} of the requests whose copied
-positions are computed up to the check layer and selected there (:mod:`.layer_hook`)."""
+BATCH_ATTR = "_semblend_batch"
+"""ScheduleBatch attribute: its :class:`BatchReuse` (None, or absent, for a batch with none)."""
 
 
 @dataclass(frozen=True)
@@ -58,42 +55,56 @@ class CheckCandidates:
     final: bool
 
 
-@dataclass(frozen=True)
-class BatchFields:
-    """How one family of sglang versions names what :func:`load_batch_spans` reads.
+@dataclass
+class BatchReuse:
+    """What one prepared batch carries for its sparse requests until its forward:
+    ``sparse``: {rid: true positions of its computed tokens (CPU int64)};
+    ``candidates``: {rid: :class:`CheckCandidates`} of the requests selected at the check
+    layer (:mod:`.check_layer`)."""
 
-    ``row_of(req)``: the request's ``req_to_token`` row; ``extend_end(req)``: the end (exclusive)
-    of the chunk ``prepare_for_extend`` just laid out; ``lock(cache, node)`` protects a donor's
-    tree path from eviction for the copy and returns what ``unlock(cache, receipt)`` takes;
-    ``peers(cache)``: the CPU process groups of the other ranks that run the cache's batches
-    (empty for one rank; :mod:`.rank_agreement`)."""
-
-    row_of: Callable[[Any], int]
-    extend_end: Callable[[Any], int]
-    lock: Callable[[Any, Any], Any]
-    unlock: Callable[[Any, Any], None]
-    peers: Callable[[Any], list[Any]] = rank_agreement.global_attention_peers
+    sparse: dict[str, torch.Tensor] = field(default_factory=dict)
+    candidates: dict[str, CheckCandidates] = field(default_factory=dict)
 
 
-UNIFIED_FIELDS = BatchFields(
-    row_of=lambda req: int(req.kv.req_pool_idx),
-    extend_end=lambda req: int(req.extend_end),
-    lock=lambda cache, node: cache.lock(node),
-    unlock=lambda cache, receipt: cache.unlock(receipt),
-    peers=rank_agreement.attention_peers,
-)
-"""sglang 0.5.21+: ``req.kv.req_pool_idx``, ``req.extend_end``, ``cache.lock`` / ``unlock``, the
-cache's attention CPU groups."""
+def batch_reuse(batch: Any) -> BatchReuse | None:
+    """``batch``'s :class:`BatchReuse`, or None when it has none."""
+    return getattr(batch, BATCH_ATTR, None)
+
+
+def _own_batch_reuse(batch: Any) -> BatchReuse:
+    found = batch_reuse(batch)
+    if found is None:
+        found = BatchReuse()
+        setattr(batch, BATCH_ATTR, found)
+    return found
 
 
 @dataclass(frozen=True)
-class DonorSlots:
-    """Where a donor's KV is: ``path[i]`` is the slot of donor position ``i`` (int64; -1 where
-    the donor's KV is not on the device), ``node`` the tree node to lock for the copy (None when
-    no position is in the tree)."""
+class LoadParams:
+    """One prepared prefill batch to load: its ``cache`` and ``batch``, the open plans of its
+    requests (``states`` by rid), the version's ``view``, the model's RoPE ``spec``, the ranks
+    that run it too (``peers``), whether a check layer selects (``check``), and the stream the
+    engine's forward runs on (``forward_stream``; None on CPU)."""
 
-    path: torch.Tensor
-    node: Any = None
+    cache: Any
+    batch: Any
+    states: Mapping[str, RequestReuse]
+    view: VersionView
+    spec: Any
+    peers: list[Any]
+    check: bool = False
+    forward_stream: Any = None
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :func:`load_batch_spans` did: the plans it advanced (``touched``; some may have
+    ended), the span heads it recomputed (``recomputed``), the copy's seconds (None: nothing was
+    copied)."""
+
+    touched: tuple[RequestReuse, ...] = ()
+    recomputed: int = 0
+    copy_seconds: float | None = None
 
 
 @dataclass
@@ -111,46 +122,32 @@ class _RequestLoad:
     """Why a donor's spans were not copied (the first such reason)."""
 
 
-def load_batch_spans(
-    runtime: SemblendRuntime,
-    cache: Any,
-    batch: Any,
-    match_donor: Any,
-    spec: Any,
-    fields: BatchFields = UNIFIED_FIELDS,
-    peers: list[Any] | None = None,
-    check: bool = False,
-) -> None:
-    """Copy the reused spans of ``batch`` (after ``prepare_for_extend``) and make its extend
-    sparse, or, with ``check`` (a check-layer strategy), leave every position computed and
-    record the copied ones as the batch's check candidates (:data:`CHECK_ATTR`).
-    ``match_donor(cache, state, handle, donor_end)`` returns ``(reason, None)`` when the
-    donor's KV is gone, else ``(None, DonorSlots)`` covering its positions [0, donor_end); a
-    span with a position not on the device is computed instead. ``fields`` reads the
-    version's request and tree names. Requests are declined or completed through ``runtime``.
+def load_batch_spans(params: LoadParams) -> LoadResult:
+    """Copy the reused spans of ``params.batch`` (after ``prepare_for_extend``) and make its
+    extend sparse, or, with ``check`` (a check-layer strategy), leave every position computed
+    and record the copied ones as the batch's check candidates (:class:`BatchReuse`). A span
+    whose donor KV is not on the device (``view.match_donor``) is computed instead. Each plan
+    advances through its own transitions (loaded, skipped; at its last chunk complete or
+    decline); the caller drops the plans that ended.
 
-    ``peers`` (``fields.peers(cache)`` when None): the process groups of the ranks that run this
-    batch too. With peers the caller calls this for *every* prefill batch, planned or not, and
-    the copy outcome is agreed across the ranks before the batch changes; an error in the copy
-    is then raised only after that agreement (so that no rank waits on this one), and every rank
+    With ``peers`` the caller calls this for *every* prefill batch, planned or not, and the copy
+    outcome is agreed across the ranks before the batch changes; an error in the copy is then
+    raised only after that agreement (so that no rank waits on this one), and every rank
     computes the positions it would have reused. Raises only with the batch unchanged (the
     caller turns it into a cold fallback)."""
-    if peers is None:
-        peers = fields.peers(cache)
+    batch, peers = params.batch, params.peers
     loads: list[_RequestLoad] = []
     failure: Exception | None = None
+    seconds: float | None = None
     try:
-        loads = _collect(runtime, batch, fields)
+        loads = _collect(params)
         if loads:
-            seconds = _match_and_copy(
-                cache, loads, match_donor, spec, fields, runtime.forward_stream
-            )
-            if seconds is not None:
-                runtime.observe_copy(seconds)
+            seconds = _match_and_copy(params, loads)
     except Exception as exc:
         if not peers:
             raise
         failure = exc
+        seconds = None
         for load in loads:
             load.copied.clear()
     if peers:
@@ -158,26 +155,21 @@ def load_batch_spans(
     if failure is not None:
         raise failure
     if not loads:
-        return
-    if check:
+        return LoadResult()
+    if params.check:
         _record_candidates(batch, loads)
     else:
         _sparsify(batch, loads)
-    for load in loads:
-        _settle(runtime, load, deferred=check and bool(load.copied))
+    recomputed = sum(_advance(load, deferred=params.check and bool(load.copied)) for load in loads)
+    return LoadResult(tuple(load.state for load in loads), recomputed, seconds)
 
 
-def _match_and_copy(
-    cache: Any,
-    loads: list[_RequestLoad],
-    match_donor: Any,
-    spec: Any,
-    fields: BatchFields,
-    forward_stream: Any = None,
-) -> float | None:
+def _match_and_copy(params: LoadParams, loads: list[_RequestLoad]) -> float | None:
     """Find each load's donors and copy their spans (all in one kernel launch, ordered after
-    ``forward_stream``); fills ``load.copied`` and ``load.missed``. Returns the copy's seconds
-    (None: nothing was copied). Raises before the copy with nothing copied."""
+    the engine's forward stream); fills ``load.copied`` and ``load.missed``. Donors are locked
+    for the copy only. Returns the copy's seconds (None: nothing was copied). Raises before the
+    copy with nothing copied."""
+    cache, view = params.cache, params.view
     receipts: list[Any] = []
     src_parts: list[torch.Tensor] = []
     dst_parts: list[torch.Tensor] = []
@@ -185,18 +177,21 @@ def _match_and_copy(
     rows = cache.req_to_token_pool.req_to_token
     try:
         for load in loads:
-            row = rows[fields.row_of(load.req)]
+            row = rows[view.row_of(load.req)]
             by_donor: dict[Hashable, list[Span]] = {}
             for span, donor in load.pieces:
                 by_donor.setdefault(donor, []).append(span)
             for donor, spans in by_donor.items():
                 donor_end = max(s.donor_end for s in spans)
-                reason, found = match_donor(cache, load.state, donor, donor_end)
-                if reason is not None or found is None:
-                    load.missed = load.missed or reason or Reason.DONOR_EVICTED
+                match = view.match_donor(
+                    DonorMatchParams(cache, load.state.namespace, donor, donor_end)
+                )
+                found = match.slots
+                if found is None:
+                    load.missed = load.missed or match.reason or Reason.DONOR_EVICTED
                     continue  # these spans are computed instead
                 if found.node is not None:
-                    receipts.append(fields.lock(cache, found.node))
+                    receipts.append(view.lock(cache, found.node))
                 for s in spans:
                     src = found.path[s.donor_start : s.donor_end].to(torch.int64)
                     if int(src.numel()) != s.length or bool((src < 0).any()):
@@ -209,11 +204,11 @@ def _match_and_copy(
         if not src_parts:
             return None
         started = time.perf_counter()
-        _copy(cache, src_parts, dst_parts, delta_parts, spec, forward_stream)
+        _copy(cache, src_parts, dst_parts, delta_parts, params.spec, params.forward_stream)
         return time.perf_counter() - started
     finally:
         for receipt in receipts:
-            fields.unlock(cache, receipt)
+            view.unlock(cache, receipt)
 
 
 def _agree(peers: list[Any], batch: Any, loads: list[_RequestLoad]) -> None:
@@ -251,16 +246,19 @@ def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
-def _collect(runtime: SemblendRuntime, batch: Any, fields: BatchFields) -> list[_RequestLoad]:
+def _collect(params: LoadParams) -> list[_RequestLoad]:
+    """The batch's requests with an open plan, with the parts of their spans in this chunk (a
+    request the sparse extend cannot take is declined here)."""
+    batch = params.batch
     loads: list[_RequestLoad] = []
     for i, req in enumerate(batch.reqs):
-        state = runtime.state_of(req.rid)
+        state = params.states.get(req.rid)
         if state is None or not state.open:
             continue
-        lo, hi = int(batch.prefix_lens[i]), fields.extend_end(req)
+        lo, hi = int(batch.prefix_lens[i]), params.view.extend_end(req)
         reason = _unsupported_request(req)
         if reason is not None:
-            runtime.decline(req.rid, reason)
+            state.decline(reason)
             continue
         # the chunk's last position is computed, and so is every position whose input-token
         # logprob is asked for (sglang reads those as the tail of the request's computed tokens)
@@ -335,7 +333,7 @@ def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     loc = batch.out_cache_loc
     ext = list(batch.extend_lens)
     keep = torch.ones(int(ids.numel()), dtype=torch.bool)
-    sparse: dict[str, torch.Tensor] = dict(getattr(batch, SPARSE_ATTR, None) or {})
+    sparse = _own_batch_reuse(batch).sparse
     start = 0
     for i in range(len(batch.reqs)):
         load = copied.get(i)
@@ -353,37 +351,35 @@ def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     batch.out_cache_loc = loc[keep.to(loc.device)]
     batch.extend_lens = ext
     batch.extend_num_tokens = sum(ext)
-    setattr(batch, SPARSE_ATTR, sparse)
 
 
 def _record_candidates(batch: Any, loads: list[_RequestLoad]) -> None:
     """Keep the batch dense; note each load's copied positions as check candidates."""
-    found: dict[str, CheckCandidates] = dict(getattr(batch, CHECK_ATTR, None) or {})
+    found = _own_batch_reuse(batch).candidates
     for load in loads:
         if not load.copied:
             continue
         offsets = torch.nonzero(~_computed_mask(load)).flatten()
         final = load.hi >= len(load.req.origin_input_ids)
         found[load.req.rid] = CheckCandidates(offsets, final)
-    setattr(batch, CHECK_ATTR, found)
 
 
-def _settle(runtime: SemblendRuntime, load: _RequestLoad, deferred: bool = False) -> None:
-    """Advance the request's state past this chunk; at its last chunk record the outcome,
-    unless ``deferred`` (the check layer records it, :meth:`SemblendRuntime.checked`)."""
+def _advance(load: _RequestLoad, deferred: bool = False) -> int:
+    """Advance the request's plan past this chunk; at its last chunk complete it (or decline it
+    when nothing was copied), unless ``deferred`` (the check layer completes it). Returns the
+    span heads this chunk recomputed."""
     state = load.state
     recomputed = state.recomputed
     if load.copied:
         state.loaded(load.copied, load.hi)
     else:
         state.skipped(load.hi)
-    runtime.count_recomputed(state.recomputed - recomputed)
-    if load.hi < len(load.req.origin_input_ids) or deferred:
-        return  # later chunks may copy more, or the check layer decides
-    if state.reused_any:
-        runtime.finish_reuse(load.req.rid)
-    else:
-        runtime.decline(load.req.rid, load.missed or Reason.SPANS_TRIMMED_AWAY)
+    if load.hi >= len(load.req.origin_input_ids) and not deferred:
+        if state.reused_any:
+            state.complete()
+        else:
+            state.decline(load.missed or Reason.SPANS_TRIMMED_AWAY)
+    return state.recomputed - recomputed
 
 
 def forward_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor | None:
@@ -392,7 +388,8 @@ def forward_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor | Non
     other request (decode rows mixed in included). ``positions`` is what sglang computed; the
     result has its length, dtype and device. Raises ValueError when the batch's lengths and
     ``positions`` disagree."""
-    sparse = getattr(batch, SPARSE_ATTR, None)
+    found = batch_reuse(batch)
+    sparse = None if found is None else found.sparse
     if not sparse:
         return None
     parts: list[torch.Tensor] = []
@@ -414,7 +411,6 @@ def forward_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor | Non
 
 def clear(batch: Any) -> None:
     """Forget ``batch``'s sparse positions and check candidates (it is about to be prepared for
-    another step)."""
-    for attr in (SPARSE_ATTR, CHECK_ATTR):
-        if getattr(batch, attr, None) is not None:
-            setattr(batch, attr, None)
+    another step, or its forward is a decode)."""
+    if batch_reuse(batch) is not None:
+        setattr(batch, BATCH_ATTR, None)

@@ -1,15 +1,30 @@
-"""The reuse state of one request: its plan, how far it was materialized, and what of it was
-recomputed. Owned by :class:`~.runtime.SemblendRuntime`; transitions are methods."""
+"""The reuse state of one request: its plan, how far it was materialized, what of it was
+recomputed, and how it ended. Owned by :class:`~.request_flow.RequestFlow`; transitions are
+methods, and the ending ones record the request's outcome exactly once."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 from semblend_sglang.align import Span
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.plan import ReusePlan
+from semblend_sglang.plan import Reason, ReusePlan
+
+
+class Outcomes(Protocol):
+    """Where a request's outcome is recorded (the provider's ``record_*``; each records once per
+    pending plan and returns False otherwise)."""
+
+    def record_materialized(
+        self, request_id: Hashable, reused_tokens: int, *, spans: int = 1, donors: int = 1
+    ) -> bool: ...
+
+    def record_declined(self, request_id: Hashable, reason: str = ...) -> bool: ...
+
+    def record_cold_fallback(self, request_id: Hashable, where: str = ...) -> bool: ...
 
 
 class ReuseState(enum.Enum):
@@ -17,17 +32,21 @@ class ReuseState(enum.Enum):
 
     ``PLANNED`` (looked up, nothing copied) -> ``LOADING`` (spans inside the prefill chunks run
     so far were copied; later chunks may copy more) -> ``MATERIALIZED`` (no further span is
-    copied; the outcome is recorded). A plan that is declined or fails leaves the runtime.
+    copied; the outcome is recorded; the publish cap holds until release). A plan that ends with
+    nothing copied is ``DECLINED`` (with a reason) or ``FAILED`` (an error: a cold fallback).
     """
 
     PLANNED = "planned"
     LOADING = "loading"
     MATERIALIZED = "materialized"
+    DECLINED = "declined"
+    FAILED = "failed"
 
 
 @dataclass
 class RequestReuse:
-    """The reuse plan of one request and how far it got; owned by :class:`SemblendRuntime`.
+    """The reuse plan of one request and how far it got; owned by
+    :class:`~.request_flow.RequestFlow`, which drops it once it :attr:`ended`.
 
     ``spans`` are in target order, ``donors[i]`` is span ``i``'s donor; ``heads[i]`` leading
     tokens of span ``i`` are recomputed instead of copied (``heads`` strategy; empty: none).
@@ -38,6 +57,7 @@ class RequestReuse:
     """
 
     rid: str
+    outcomes: Outcomes
     namespace: Namespace
     plan: ReusePlan
     spans: tuple[Span, ...]
@@ -137,9 +157,49 @@ class RequestReuse:
         self.recomputed += recomputed
         self.gated = self.gated or gated
 
+    @property
+    def ended(self) -> bool:
+        """True once the plan ended with nothing copied (DECLINED or FAILED): nothing of it
+        binds the request any more, so its owner forgets it."""
+        return self.state in (ReuseState.DECLINED, ReuseState.FAILED)
+
     def complete(self) -> None:
-        """-> MATERIALIZED: no further span is copied (terminal while the request lives)."""
+        """-> MATERIALIZED, recording the outcome once: no further span is copied (terminal
+        while the request lives). Materialized with the tokens whose donor KV was kept, or
+        ``declined:quality_gate`` where the gate had every copied position recomputed. No-op for
+        a plan that copied nothing (its owner declines it, or the provider counts it
+        ``unreported`` at release) and for one already complete."""
+        if not self.reused_any or self.state is ReuseState.MATERIALIZED:
+            return
         self.state = ReuseState.MATERIALIZED
+        if self.gated and self.reused_total <= 0:
+            self.outcomes.record_declined(self.rid, Reason.QUALITY_GATE)
+        else:
+            self.outcomes.record_materialized(
+                self.rid, self.reused_total, spans=self.spans_loaded, donors=len(self.donors_loaded)
+            )
+
+    def decline(self, reason: str) -> None:
+        """The engine will not use (the rest of) the plan, for ``reason``. A plan that already
+        copied KV completes instead (materialized with what it kept; its publish cap stays);
+        otherwise -> DECLINED, recorded once."""
+        if self.reused_any:
+            self.complete()
+        elif not self.ended:
+            self.state = ReuseState.DECLINED
+            self.outcomes.record_declined(self.rid, reason)
+
+    def fail(self, where: str) -> bool:
+        """An error in the semantic path at ``where``: a plan that copied KV completes with what
+        it kept (returns False: the error is not the request's outcome); otherwise -> FAILED,
+        recorded once as a cold fallback (returns True)."""
+        if self.reused_any:
+            self.complete()
+            return False
+        if not self.ended:
+            self.state = ReuseState.FAILED
+            self.outcomes.record_cold_fallback(self.rid, where)
+        return True
 
     def _expect(self, *allowed: ReuseState) -> None:
         if self.state not in allowed:

@@ -13,11 +13,12 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 
+from .request_flow import RequestFlow
 from .request_info import eligible, namespace_for, opted_out
-from .runtime import SemblendRuntime
 
 CachedLen = Callable[[Any, Namespace], int]
 """``cached_len(tokens, namespace)``: tokens of ``tokens`` the exact cache holds (device and
@@ -42,7 +43,7 @@ def substituted_prompt(tokens: Any, donor: Any, plan: ReusePlan) -> array | None
 
 
 def substitute_request(
-    runtime: SemblendRuntime, scheduler: Any, req: Any, cache: Any, cached_len: CachedLen
+    flow: RequestFlow, scheduler: Any, req: Any, cache: Any, cached_len: CachedLen
 ) -> None:
     """Look ``req`` up and, for a plan, rewrite its prompt in place (``origin_input_ids``,
     ``full_untruncated_fill_ids``, ``logprob_start_len`` shifted with it).
@@ -50,47 +51,49 @@ def substitute_request(
     Records the request's outcome: materialized (with the tokens the exact cache will serve
     beyond its own exact hit) or declined: ``donor_evicted`` (the donor's tokens or KV are gone;
     the donor is forgotten) or ``engine_declined`` (the rewrite would not fit the context, or input
-    logprobs were asked for over the replaced head). A request it decides on is marked settled, so
+    logprobs were asked for over the replaced head). A request it decides on is marked decided, so
     the match hooks leave it alone. May raise; the caller's hook turns that into a cold fallback.
     """
     rid = req.rid
-    if not runtime.config.enabled or not eligible(req) or runtime.is_tracked(rid):
+    runtime = flow.runtime
+    outcomes = runtime.provider
+    if not runtime.config.enabled or not eligible(req) or flow.is_tracked(rid):
         return
     if opted_out(req):
-        runtime.opt_out(rid)
+        flow.opt_out(rid)
         return
     tokens = req.origin_input_ids
     namespace = namespace_for(req)
     exact_len = cached_len(tokens, namespace)
-    decision = runtime.lookup(namespace, tokens, exact_len, rid, int(cache.page_size))
+    decision = runtime.lookup(LookupParams(namespace, tokens, exact_len, rid, int(cache.page_size)))
     if decision.kind != "plan" or decision.plan is None:
         return
-    runtime.settle(rid)  # decided here; the match hooks leave it alone
+    flow.decided_at_arrival(rid)  # the match hooks leave it alone
     plan = decision.plan
     donor = runtime.donor_tokens(plan.donor_handle)
     new_prompt = substituted_prompt(tokens, donor, plan)
     if new_prompt is None:
         runtime.forget_donor(plan.donor_handle)
-        runtime.settle_declined(rid, Reason.DONOR_EVICTED)
+        outcomes.record_declined(rid, Reason.DONOR_EVICTED)
         return
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
     context_len = int(getattr(scheduler.model_config, "context_len", 0) or 0)
     if len(new_prompt) >= int(scheduler.max_req_input_len) or (
         context_len and len(new_prompt) + int(max_new) > context_len
     ):
-        runtime.settle_declined(rid, Reason.ENGINE_DECLINED)
+        outcomes.record_declined(rid, Reason.ENGINE_DECLINED)
         return
     span = plan.spans[0]
     shift = span.donor_start - span.target_start
     logprob_start = int(getattr(req, "logprob_start_len", -1))
     if getattr(req, "return_logprob", False) and 0 <= logprob_start < span.target_start:
         # Input logprobs over the replaced head would score the donor's tokens.
-        runtime.settle_declined(rid, Reason.ENGINE_DECLINED)
+        outcomes.record_declined(rid, Reason.ENGINE_DECLINED)
         return
     served = cached_len(new_prompt, namespace)
     if served < span.donor_start + span.length:
         runtime.forget_donor(plan.donor_handle)  # its KV left the tree
-        runtime.settle_declined(rid, Reason.DONOR_EVICTED)
+        outcomes.record_declined(rid, Reason.DONOR_EVICTED)
         return
     if req.origin_input_ids_unpadded is req.origin_input_ids:
         req.origin_input_ids_unpadded = new_prompt
@@ -98,4 +101,4 @@ def substitute_request(
     req.full_untruncated_fill_ids = new_prompt + req.output_ids
     if logprob_start >= 0:
         req.logprob_start_len = logprob_start + shift  # same tokens, new positions
-    runtime.settle_materialized(rid, max(0, served - exact_len))
+    outcomes.record_materialized(rid, max(0, served - exact_len))

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Decision, Reason, ReusePlan
 from semblend_sglang.provider import SemanticProvider
@@ -177,11 +178,13 @@ class SchedulerSide:
             choice = LoadChoice(0, Reason.OTHER)
         else:
             decision = self.provider.lookup(
-                self.namespace(request),
-                request.prompt_token_ids,
-                num_computed_tokens,
-                rid,
-                page_size=self.block_size,
+                LookupParams(
+                    self.namespace(request),
+                    request.prompt_token_ids,
+                    num_computed_tokens,
+                    rid,
+                    page_size=self.block_size,
+                )
             )
             choice = self._choice_for(decision, num_computed_tokens)
         self._choices[rid] = choice

@@ -77,6 +77,7 @@ def run_stream(stream: Stream, repeats: int, budget_ms: float) -> dict[str, Any]
     from prometheus_client import CollectorRegistry
 
     from semblend_sglang.config import Config
+    from semblend_sglang.lookup_params import LookupParams
     from semblend_sglang.namespace import Namespace
     from semblend_sglang.provider import SemanticProvider
 
@@ -89,7 +90,7 @@ def run_stream(stream: Stream, repeats: int, budget_ms: float) -> dict[str, Any]
     decisions: dict[str, int] = {}
     for _ in range(repeats):
         started = time.perf_counter()
-        decision = provider.lookup(namespace, stream.query, 0, None)
+        decision = provider.lookup(LookupParams(namespace, stream.query, 0, None))
         times.append((time.perf_counter() - started) * 1e3)
         key = decision.kind if decision.kind != "decline" else f"decline:{decision.reason}"
         decisions[key] = decisions.get(key, 0) + 1

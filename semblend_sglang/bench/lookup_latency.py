@@ -101,6 +101,7 @@ def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
     from ..config import Config
+    from ..lookup_params import LookupParams
     from ..namespace import Namespace
     from ..provider import SemanticProvider
 
@@ -127,13 +128,13 @@ def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
 
     query_tokens = [corpus.query_tokens(i) for i in range(queries)]
     for i in range(5):  # warm-up (first-touch of caches), not timed
-        provider.lookup(namespace, query_tokens[i], 0, f"warm-{i}")
+        provider.lookup(LookupParams(namespace, query_tokens[i], 0, f"warm-{i}"))
     times_ms: list[float] = []
     plans = 0
     reused = 0
     for i, tokens in enumerate(query_tokens):
         t0 = time.perf_counter_ns()
-        decision = provider.lookup(namespace, tokens, 0, f"q-{i}")
+        decision = provider.lookup(LookupParams(namespace, tokens, 0, f"q-{i}"))
         times_ms.append((time.perf_counter_ns() - t0) / 1e6)
         if decision.plan is not None:
             plans += 1
@@ -142,7 +143,7 @@ def run_case(corpus: Corpus, donors: int, queries: int) -> dict[str, Any]:
     t0 = time.perf_counter_ns()
     repeat_n = 1000
     for _ in range(repeat_n):
-        provider.lookup(namespace, query_tokens[0], 0, "warm-0")
+        provider.lookup(LookupParams(namespace, query_tokens[0], 0, "warm-0"))
     repeat_us = (time.perf_counter_ns() - t0) / 1e3 / repeat_n
     stats = provider.index.stats()
     return {

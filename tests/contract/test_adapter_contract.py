@@ -71,20 +71,20 @@ def test_materialized_slots_hold_the_donors_kv_rotated_by_the_shift(
     def done() -> bool:
         nonlocal steps
         steps += 1
-        return materialized(runtime, target.rid)
+        return materialized(adapter.flow, target.rid)
 
     step_until(h, done)
     # one pass per 256-token chunk, as for a cold prompt: no chunk cut at the span, no second phase
     chunks = -(-len(target_tokens) // 256)
     assert steps - 1 == chunks
-    state = runtime.requests[target.rid]
+    state = adapter.flow.requests[target.rid]
     shift = len(instructions[4] + instructions[2]) - len(instructions[0])
     assert {span.delta for span, _ in state.loaded_pieces} == {shift}
     # each chunk computes its last position: one token per chunk is not reused
     assert state.reused_total >= len(doc) - 2 * CONFIG.sink_tokens - chunks
     # the tree owns the exact head only; the rest of the row is the request's
     assert h.kv_bounds(target)[0] <= state.publish_cap
-    assert check_loaded_kv(h, runtime, target) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
     assert target.finished() and donor.finished()
     snap = runtime.provider.snapshot()
@@ -146,7 +146,7 @@ def test_randomized_semantic_traffic_keeps_every_invariant(
     assert snap["errors"] == {}, snap
     assert counts["aborted"] >= 3 and counts["chunked"] >= 5, counts
     assert harness.stats["evicted_steps"] >= 10, harness.stats
-    assert not adapter.runtime.requests, "request state leaked past release"
+    assert not adapter.flow.requests, "request state leaked past release"
     assert_drained(harness)
 
 
@@ -163,15 +163,15 @@ def test_reordered_passages_reuse_every_span_with_its_own_shift(
     h.run_until_idle()
     target_tokens = instructions[1] + second + instructions[3] + first
     target = h.submit(target_tokens, max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, target.rid))
-    state = runtime.requests[target.rid]
+    step_until(h, lambda: materialized(adapter.flow, target.rid))
+    state = adapter.flow.requests[target.rid]
     assert len(state.spans) == 2
     shifts = {span.delta for span, _ in state.loaded_pieces}
     assert len(shifts) == 2  # the two passages moved by different shifts
     first_piece = min(state.loaded_pieces, key=lambda p: p[0].target_start)[0]
     last_piece = max(state.loaded_pieces, key=lambda p: p[0].target_start)[0]
     assert first_piece.donor_start > last_piece.donor_start  # in the other order than the donor
-    assert check_loaded_kv(h, runtime, target) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
     assert target.finished()
     snap = runtime.provider.snapshot()
@@ -200,9 +200,9 @@ def test_request_aborted_while_waiting_after_its_lookup_leaves_no_state(
     runtime = adapter.runtime
     target = semantic_pair(h, passages, instructions)
     target.init_next_round_input(h.cache)  # the lookup of a waiting request
-    assert target.rid in runtime.requests
+    assert target.rid in adapter.flow.requests
     h.abort(target)
-    assert target.rid not in runtime.requests and target.rid not in runtime.settled
+    assert target.rid not in adapter.flow.requests and target.rid not in adapter.flow.decided
     snap = runtime.provider.snapshot()
     assert snap["declined"] == {"no_donor": 1, "aborted": 1}, snap  # the donor, the target
     assert snap["outcomes"]["materialized"] == 0
@@ -272,7 +272,7 @@ def test_donor_evicted_between_lookup_and_copy_is_declined(
 
     def evict_after_lookup(harness: CacheHarness, req: Any) -> None:
         # between the request's lookup (its match) and the copy (in prepare_for_extend)
-        if req.rid in runtime.requests and not evicted:
+        if req.rid in adapter.flow.requests and not evicted:
             evicted.append(req.rid)
             harness.cache.evict(EvictParams(num_tokens=harness.config.pool_tokens))
 
@@ -311,7 +311,7 @@ def test_passages_from_two_donors_and_one_evicted_before_the_copy(
     evicted: list[str] = []
 
     def evict_donor_b(harness: CacheHarness, req: Any) -> None:
-        if req.rid in runtime.requests and not evicted:
+        if req.rid in adapter.flow.requests and not evicted:
             evicted.append(req.rid)
             _, keep = harness.tree_match(donor_a)
             with harness.pinned(keep):  # donor A stays resident
@@ -319,12 +319,12 @@ def test_passages_from_two_donors_and_one_evicted_before_the_copy(
 
     h.match_hook = evict_donor_b
     target = h.submit(instructions[5] + second + instructions[4] + first, max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, target.rid))
-    state = runtime.requests[target.rid]
+    step_until(h, lambda: materialized(adapter.flow, target.rid))
+    state = adapter.flow.requests[target.rid]
     assert evicted == [target.rid]
     assert len(state.plan.donors) == 2  # the plan took a span from each donor
     assert len(state.donors_loaded) == 1  # donor B's spans were computed instead
-    assert check_loaded_kv(h, runtime, target) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     assert state.reused_total >= len(first) - 2 * CONFIG.sink_tokens - 3
     h.run_until_idle()
     assert target.finished()
@@ -334,14 +334,14 @@ def test_passages_from_two_donors_and_one_evicted_before_the_copy(
     # the target computed B's passages itself: it is their donor now (with held donors it holds
     # the prompt KV it did not publish, A's passages included; without, its exact head is in
     # the tree and indexed as a donor, so the next plan copies from A and from it)
-    assert runtime.requests.get(target.rid) is None
+    assert adapter.flow.requests.get(target.rid) is None
     again = h.submit(instructions[3] + first + instructions[1] + second, max_new_tokens=2)
-    step_until(h, lambda: materialized(runtime, again.rid))
-    state = runtime.requests[again.rid]
+    step_until(h, lambda: materialized(adapter.flow, again.rid))
+    state = adapter.flow.requests[again.rid]
     if not PART.held_donors:
         assert len(state.donors_loaded) == 2  # one pass copied spans of both donors
     assert state.reused_total >= len(first) + len(second) - 4 * CONFIG.sink_tokens - 6
-    assert check_loaded_kv(h, runtime, again) == state.reused_total
+    assert check_loaded_kv(h, adapter.flow, again) == state.reused_total
     h.run_until_idle()
     snap = runtime.provider.snapshot()
     assert snap["outcomes"]["materialized"] == 2, snap

@@ -488,9 +488,10 @@ class CacheHarness(ABC):
         reading the KV stored at the position before it. Checks that ``out_cache_loc`` holds
         exactly the row's slots at those positions, in batch order, then the batch's input ids
         and lengths (`_extend_inputs_violation`)."""
-        from semblend_sglang.patches.sglang.one_pass import SPARSE_ATTR
+        from semblend_sglang.patches.sglang.one_pass import batch_reuse
 
-        sparse = getattr(batch, SPARSE_ATTR, None) or {}
+        reuse = batch_reuse(batch)
+        sparse = {} if reuse is None else reuse.sparse
         expected_loc: list[torch.Tensor] = []
         expected_ids: list[torch.Tensor] = []
         for req in batch.reqs:

@@ -138,9 +138,9 @@ def _request_pages(
 
 def _held_slots(h: CacheHarness) -> list[int]:
     """Slots the adapter's held-donor store owns on this cache (empty without one)."""
-    from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
+    from semblend_sglang.patches.sglang.held_donors import held_of
 
-    store = getattr(h.cache, HELD_ATTR, None)
+    store = held_of(h.cache)
     return [] if store is None else store.all_slots().tolist()
 
 

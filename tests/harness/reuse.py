@@ -14,8 +14,8 @@ import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import rotate_k
-from semblend_sglang.patches.sglang.held_donors import HELD_ATTR
-from semblend_sglang.patches.sglang.runtime import ReuseState
+from semblend_sglang.patches.sglang.held_donors import held_of
+from semblend_sglang.patches.sglang.request_reuse import ReuseState
 from tests.harness.driver import CacheHarness
 from tests.harness.invariants import check_invariants
 
@@ -46,21 +46,22 @@ def step_until(h: CacheHarness, done: Callable[[], bool], max_steps: int = 200) 
     raise AssertionError("condition not reached")
 
 
-def materialized(runtime: Any, rid: str) -> bool:
-    """True while request `rid` is live and its reused KV has been loaded."""
-    state = runtime.requests.get(rid)
+def materialized(flow: Any, rid: str) -> bool:
+    """True while request `rid` is live in `flow` and its reused KV has been loaded."""
+    state = flow.requests.get(rid)
     return state is not None and state.state is ReuseState.MATERIALIZED
 
 
-def check_loaded_kv(h: CacheHarness, runtime: Any, req: Any) -> int:
+def check_loaded_kv(h: CacheHarness, flow: Any, req: Any) -> int:
     """Every copied piece of ``req`` holds its donor's K rotated by the piece's shift (torch
     reference) and the donor's V, in slots only the request owns; returns the tokens checked.
     Marks them dirty. A donor's KV is read from the tree (all of it resident: asserted) and,
     for a held donor (0.5.23 only), from the held-donor store after its tree part."""
-    state = runtime.requests[req.rid]
+    state = flow.requests[req.rid]
+    runtime = flow.runtime
     row = h.row(req)
     spec = runtime.rope_spec(None)
-    store = getattr(h.cache, HELD_ATTR, None)
+    store = held_of(h.cache)
     checked = 0
     for span, donor in state.loaded_pieces:
         dst = row[span.target_start : span.target_end].to(torch.int64)

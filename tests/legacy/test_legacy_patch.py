@@ -57,13 +57,13 @@ def test_first_copy_at_a_chunk_start_and_inside_a_chunk_publish_the_same_exact_h
         h.submit(instructions[0] + document(passages, 5, 6))
         h.run_until_idle()
         target = h.submit(target_tokens, max_new_tokens=2)
-        runtime = adapter.runtime  # type: ignore[union-attr]
-        step_until(h, lambda: materialized(runtime, target.rid))
-        state = runtime.requests[target.rid]
+
+        step_until(h, lambda: materialized(adapter.flow, target.rid))
+        state = adapter.flow.requests[target.rid]
         cap = state.publish_cap
         assert h.kv_bounds(target)[0] == cap  # the tree holds T[0:c), locked at c
         assert h.tree_match(target_tokens)[0].numel() == cap
-        assert check_loaded_kv(h, runtime, target) == state.reused_total
+        assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
         h.run_until_idle()
         check_invariants(h, full_kv=True)
         assert h.tree_match(target_tokens)[0].numel() == cap  # still: nothing after c published

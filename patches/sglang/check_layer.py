@@ -1,6 +1,6 @@
 """The check layer of a ``deviation`` / ``query`` recompute, inside the model forward.
 
-A batch whose reused positions are selected at a check layer (:data:`.one_pass.CHECK_ATTR`)
+A batch whose reused positions are selected at a check layer (:class:`.one_pass.BatchReuse`)
 runs dense up to that layer: every position is computed there and its K/V overwrite the
 donor's copy. At the check layer's attention, before it writes, each request's candidates (the
 positions it copied) are scored against the donor K/V still in their slots
@@ -38,8 +38,8 @@ from semblend_sglang import recompute
 from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import RecomputeStrategy
 
-from .one_pass import CHECK_ATTR
-from .runtime import SemblendRuntime
+from .one_pass import batch_reuse
+from .request_flow import RequestFlow
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,13 @@ class LayerHook:
 
     :meth:`arm` is called by ``ForwardBatch.init_new`` for a batch with check candidates; the
     wrapped layers consume it in that batch's forward. Never raises into the forward: an error
-    is :meth:`SemblendRuntime.fail` and leaves the rest of the forward dense (exact)."""
+    is :meth:`RequestFlow.fail` and leaves the rest of the forward dense (exact)."""
 
-    def __init__(self, runtime: SemblendRuntime, model_runner: Any) -> None:
+    def __init__(self, flow: RequestFlow, model_runner: Any) -> None:
         model = model_runner.model
         layers = model.model.layers
+        runtime = flow.runtime
+        self.flow = flow
         self.runtime = runtime
         self.pool = model_runner.token_to_kv_pool
         self.check_layer = int(runtime.config.recompute_check_layer)
@@ -101,7 +103,8 @@ class LayerHook:
         """Bind ``batch``'s check candidates to the forward of ``forward_batch`` (the result of
         ``init_new`` for it). A previous arming that no forward took is dropped."""
         self.armed = None
-        found = getattr(batch, CHECK_ATTR, None)
+        reuse = batch_reuse(batch)
+        found = None if reuse is None else reuse.candidates
         if not found or not forward_batch.forward_mode.is_extend():
             return
         lens = forward_batch.extend_seq_lens_cpu
@@ -124,7 +127,7 @@ class LayerHook:
         armed, self.armed = self.armed, None
         lens = forward_batch.extend_seq_lens_cpu
         if lens is None or tuple(int(x) for x in lens) != armed.extend_lens:
-            self.runtime.fail(
+            self.flow.fail(
                 "check_layer", RuntimeError("the forward is not the batch that armed the check")
             )
             return None
@@ -146,7 +149,7 @@ class LayerHook:
                 positions = check.positions
             out = orig(positions, hidden_states, forward_batch, *args, **kw)
             if index == hook.check_layer and check.keep is not None:
-                out = hook.runtime.guarded(
+                out = hook.flow.guarded(
                     "check_layer", None, out, hook._shrink, out, positions, forward_batch, check
                 )
             return out
@@ -162,7 +165,7 @@ class LayerHook:
             check = forward_batch.__dict__.get(_FORWARD_ATTR)
             if check is not None and k is not None:
                 if index == hook.check_layer and check.keep is None:
-                    hook.runtime.guarded(
+                    hook.flow.guarded(
                         "check_layer",
                         None,
                         None,
@@ -234,7 +237,7 @@ class LayerHook:
             check.force_slots = forward_batch.out_cache_loc[rows]
             check.force_rows = torch.cumsum(keep.to(torch.int64), 0)[rows] - 1
         for rc, count, selection in reports:
-            self.runtime.checked(
+            self.flow.checked(
                 rc.rid, count, selection.gated, selection.residual_deviation, rc.final
             )
 
@@ -386,22 +389,25 @@ def model_runner_of(scheduler: Any) -> Any:
     return runner
 
 
-def install(runtime: SemblendRuntime, model_runner: Any) -> LayerHook | None:
+def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
     """Scheduler start: wrap the served model's layers when the configured strategy selects
-    at a check layer, and set :attr:`SemblendRuntime.layer_check`. On a model this seam does
-    not take, one warning names why, ``layer_check`` is False and None is returned."""
+    at a check layer (a model wrapped already reports to ``flow`` from now on), and set
+    :attr:`SemblendRuntime.layer_check`. On a model this seam does not take, one warning names
+    why, ``layer_check`` is False and None is returned."""
+    runtime = flow.runtime
     if not runtime.config.recompute_strategy.uses_check_layer:
         return None
     model = getattr(model_runner, "model", None)
     if model is not None and getattr(model, _WRAPPED_ATTR, None) is not None:
         hook: LayerHook = getattr(model, _WRAPPED_ATTR)
+        hook.flow, hook.runtime = flow, runtime
         runtime.layer_check = True
         runtime.check_hook = hook
         return hook
     reason = refusal(model_runner, int(runtime.config.recompute_check_layer))
     if reason is None:
         try:
-            hook = LayerHook(runtime, model_runner)
+            hook = LayerHook(flow, model_runner)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:

@@ -1,0 +1,388 @@
+"""One request's semantic path through SGLang, in the order it runs.
+
+1. **plan** (``match_prefix``): one lookup per request id; a plan starts the request's
+   :class:`~.request_reuse.RequestReuse` (PLANNED), or is declined before anything is copied.
+2. **pin donors and copy** (after ``prepare_for_extend``): :mod:`.one_pass` locks each donor's
+   tree path (the lock receipts are held for the copy only), copies its spans into the
+   request's own fresh slots, and drops the copied positions from the batch (LOADING).
+3. **check layer** (``deviation`` / ``query``): :mod:`.check_layer` selects, inside the forward,
+   which copied positions are recomputed, and reports here (:meth:`RequestFlow.checked`).
+4. **forward** (``ForwardBatch.init_new``): the computed tokens get their true positions; the
+   attention backend (:mod:`.attention`) lets the query at p see every key at <= p.
+5. **publish cap** (``checkpoint`` / ``cache_*_req``): nothing from the first copied position on
+   enters the exact cache (:meth:`RequestFlow.publish_limit`); the request donates what it
+   published, and a finished one that reused KV keeps the rest as a held donor.
+6. **end**: the plan completes (MATERIALIZED), is declined or fails (a cold fallback), each
+   recorded once by the state's own transition; :meth:`RequestFlow.release` forgets it.
+
+:class:`RequestFlow` owns every request's state (one object per request, in
+:attr:`RequestFlow.requests`); the version adapters only wrap sglang's methods and call it,
+with their :class:`~.version_view.VersionView` for what is named differently per version.
+Nothing here imports sglang, and nothing raises into the engine: :meth:`RequestFlow.guarded`
+turns an error into a counted, once-logged fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from semblend_sglang.config import Config
+from semblend_sglang.kernels import RopeSpec
+from semblend_sglang.lookup_params import LookupParams
+from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import Reason, ReusePlan
+from semblend_sglang.recompute import RecomputeStrategy, head_lengths
+
+from . import attention, one_pass
+from .held_donors import HeldDonors, PendingKeep
+from .request_info import eligible, namespace_for, opted_out, served_model_path
+from .request_reuse import RequestReuse
+from .runtime import SemblendRuntime
+from .version_view import VersionView
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class RequestFlow:
+    """The semantic path of every request in one scheduler process (TP ranks each have their
+    own and, fed the same calls, decide the same).
+
+    Called by the adapter's wrappers of sglang methods, in the order of the module docstring.
+    Owns the per-request states (:attr:`requests`) and the held-donor policy (:attr:`held`);
+    per-process state is the :attr:`runtime`'s. Never raises to the engine from
+    :meth:`guarded`."""
+
+    def __init__(self, config: Config, runtime: SemblendRuntime, view: VersionView) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.view = view
+        self.requests: dict[str, RequestReuse] = {}
+        """Requests with a plan, until their release (or until the plan ends with nothing
+        copied)."""
+        self.decided: set[str] = set()
+        """Requests decided already (declined, failed, decided at arrival): not planned again
+        until released."""
+        self.held = HeldDonors(runtime, runtime.held)
+        self.backend_ok: bool | None = None
+        """Whether the model runner's attention backend runs a sparse extend (None until the
+        first forward shows it)."""
+
+    # ----------------------------------------------------------------- 0. the guard
+    def guarded(
+        self, where: str, rid: str | None, default: _T, fn: Callable[..., _T], *args: Any
+    ) -> _T:
+        """Run ``fn(*args)`` for an engine hook: its time is added to the hook-time counter, and
+        an exception is turned into :meth:`fail` (``where``, ``rid``) and ``default``. Never
+        raises (an exception not derived from ``Exception`` still propagates)."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.fail(where, exc, rid)
+            return default
+        finally:
+            self.runtime.observe_hook(time.perf_counter() - started)
+
+    def fail(self, where: str, exc: BaseException, rid: str | None = None) -> None:
+        """An error in the semantic path: logged once, counted, and request ``rid`` (if any)
+        continues on the normal path (a cold fallback, or, having reused KV, with what it
+        kept and its publish cap)."""
+        self.runtime.log_failure(where, exc)
+        state = None if rid is None else self.requests.get(rid)
+        if rid is not None:
+            self.decided.add(rid)
+        if state is not None and state.fail(where):
+            del self.requests[state.rid]
+        else:
+            self.runtime.record_error(where)
+
+    def is_tracked(self, rid: str) -> bool:
+        """True while ``rid`` has a plan or was decided already: it is not looked up again
+        until released."""
+        return rid in self.requests or rid in self.decided
+
+    def state_of(self, rid: str | None) -> RequestReuse | None:
+        """The plan of ``rid``, or None when it has none."""
+        return None if rid is None else self.requests.get(rid)
+
+    # ----------------------------------------------------------------- 1. plan
+    def plan(
+        self, cache: Any, req: Any, tokens: Any, limit: int | None, exact_len: int
+    ) -> RequestReuse | None:
+        """The first lookup of ``req`` (match key ``tokens`` limited to ``limit`` + 1, exact hit
+        ``exact_len``): its state when a plan stands, else None (no plan, or declined as
+        ``unsupported_cache`` / ``spans_trimmed_away``). Later matches of the same request, and
+        substitute mode, return None without a lookup."""
+        runtime = self.runtime
+        rid = req.rid
+        if self.is_tracked(rid) or not runtime.active:
+            return None
+        if not self.config.enabled or self.config.mode == "substitute" or not eligible(req):
+            return None  # substitute mode decides at arrival
+        if opted_out(req):
+            self.opt_out(rid)
+            return None
+        usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
+        namespace = namespace_for(req)
+        decision = runtime.lookup(
+            LookupParams(
+                namespace,
+                tokens[:usable],
+                exact_len,
+                rid,
+                int(cache.page_size),
+                self.view.donor_alive(cache, namespace),
+            )
+        )
+        if decision.kind != "plan" or decision.plan is None:
+            return None
+        state = self.start(rid, namespace, decision.plan)
+        if not self._cache_supported(cache):
+            self.decline(rid, Reason.UNSUPPORTED_CACHE)
+            return None
+        if state.spans[-1].target_end <= exact_len:
+            self.decline(rid, Reason.SPANS_TRIMMED_AWAY)
+            return None
+        return state
+
+    def start(self, rid: str, namespace: Namespace, plan: ReusePlan) -> RequestReuse:
+        """Track ``plan`` for request ``rid``; its spans are materialized in target order."""
+        order = sorted(range(len(plan.spans)), key=lambda i: plan.spans[i].target_start)
+        spans = tuple(plan.spans[i] for i in order)
+        heads: tuple[int, ...] = ()
+        if self.config.recompute_strategy is RecomputeStrategy.HEADS:
+            heads = tuple(head_lengths([s.length for s in spans], self.config.recompute_ratio))
+        state = RequestReuse(
+            rid=rid,
+            outcomes=self.runtime.provider,
+            namespace=namespace,
+            plan=plan,
+            spans=spans,
+            donors=tuple(plan.donor_of(i) for i in order),
+            heads=heads if any(heads) else (),
+        )
+        self.requests[rid] = state
+        return state
+
+    def _cache_supported(self, cache: Any) -> bool:
+        """The cache can take reused KV (the version's check) and the backend a sparse extend."""
+        return self.view.cache_supported(cache) and self.backend_ok is not False
+
+    def pool_supported(self, cache: Any) -> bool:
+        """The KV-pool conditions every adapter needs (for its ``cache_supported``): page size
+        1, per-layer K/V buffers stored in their own dtype (no fp8), and a RoPE the kernels
+        support for the served model."""
+        pool = cache.token_to_kv_pool_allocator.get_kvcache()
+        return (
+            int(cache.page_size) == 1
+            and isinstance(getattr(pool, "k_buffer", None), list)
+            and getattr(pool, "store_dtype", None) == getattr(pool, "dtype", None)
+            and self.rope_spec() is not None
+        )
+
+    def rope_spec(self) -> RopeSpec | None:
+        """RoPE of the served model (None: not supported; logged once by the runtime)."""
+        return self.runtime.rope_spec(served_model_path())
+
+    def opt_out(self, rid: str) -> None:
+        """Request ``rid`` asked for no semantic reuse: decided as ``declined:opted_out`` once
+        (its outcome counted), never planned; it still donates."""
+        self.runtime.provider.decline_request(rid, Reason.OPTED_OUT)
+
+    # ----------------------------------------------------------------- 2. pin donors and copy
+    def prepare_extend(self, batch: Any) -> None:
+        """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`). An
+        error leaves the batch as sglang built it and makes its planned requests cold
+        fallbacks. Where other ranks run the batch too, this takes part in their agreement on
+        every prefill batch, planned here or not (:mod:`.rank_agreement`)."""
+        runtime = self.runtime
+        cache = batch.tree_cache
+        if cache is None:
+            return
+        peers = self.view.peers(cache)
+        states = {r.rid: s for r in batch.reqs if (s := self.requests.get(r.rid)) is not None}
+        if not peers and not states:
+            return
+        spec = self.rope_spec()
+        refused = None if spec is not None else Reason.UNSUPPORTED_CACHE
+        if runtime.layer_check is False:
+            refused = Reason.UNSUPPORTED_MODEL
+        if refused is not None:
+            for state in states.values():
+                if state.open and not state.reused_any:
+                    self.decline(state.rid, refused)
+            if not peers:
+                return
+        before = {rid: s.reused_total for rid, s in states.items()}
+        params = one_pass.LoadParams(
+            cache,
+            batch,
+            {rid: s for rid, s in states.items() if rid in self.requests},
+            self.view,
+            spec,
+            peers,
+            runtime.check_layer_active,
+            runtime.forward_stream,
+        )
+        try:
+            result = one_pass.load_batch_spans(params)
+        except Exception as exc:  # the batch is unchanged: its requests compute every position
+            for rid in states:
+                if rid in self.requests:
+                    self.fail("load", exc, rid)
+            return
+        if result.copy_seconds is not None:
+            runtime.observe_copy(result.copy_seconds)
+        runtime.count_recomputed(result.recomputed)
+        self._drop_ended(result.touched)
+        if self.config.report_reuse_to_client:
+            self._report_reused(batch, before)
+
+    def _report_reused(self, batch: Any, before: dict[str, int]) -> None:
+        """``report_reuse_to_client``: add the tokens this chunk copied to each request's
+        ``cached_tokens`` (sglang counted the chunk's exact prefix already)."""
+        for req in batch.reqs:
+            state = self.requests.get(req.rid)
+            copied = 0 if state is None else state.reused_total - before.get(req.rid, 0)
+            if copied > 0:
+                req.cached_tokens += copied
+                if hasattr(req, "cached_tokens_device"):
+                    req.cached_tokens_device += copied
+
+    # ----------------------------------------------------------------- 3. check layer
+    def checked(self, rid: str, recomputed: int, gated: bool, residual: float, final: bool) -> None:
+        """A check layer recomputed ``recomputed`` of the positions ``rid`` copied in this chunk
+        (``gated``: all, by the quality gate; ``residual``: the mean deviation the budget left).
+        ``final``: the chunk ends the prompt, so the plan completes now."""
+        self.runtime.count_check(recomputed, gated, residual)
+        state = self.requests.get(rid)
+        if state is None:
+            return
+        state.checked(recomputed, gated)
+        if final:
+            state.complete()
+
+    # ----------------------------------------------------------------- 4. forward
+    def forward_batch(self, batch: Any, model_runner: Any, forward_batch: Any) -> None:
+        """After ``ForwardBatch.init_new`` built ``forward_batch`` for ``batch``: the first
+        forward learns the attention backend; a check layer is armed; a batch with sparse
+        requests gets their true positions (a decode forward forgets them)."""
+        if self.backend_ok is None:
+            self.guarded("backend", None, None, self._check_backend, model_runner)
+        hook = self.runtime.check_hook
+        reuse = one_pass.batch_reuse(batch)
+        if reuse is None:
+            return
+        if hook is not None and reuse.candidates:
+            self.guarded("arm", None, None, hook.arm, batch, forward_batch)
+        if reuse.sparse and forward_batch.positions is not None:
+            if forward_batch.forward_mode.is_decode_or_idle():
+                one_pass.clear(batch)
+            else:
+                forward_batch.positions = one_pass.forward_positions(batch, forward_batch.positions)
+
+    def _check_backend(self, model_runner: Any) -> None:
+        """Set :attr:`backend_ok` from the model runner's attention backend (logged once when it
+        cannot run a sparse extend: every plan is declined from then on)."""
+        backend = getattr(model_runner, "attn_backend", None)
+        self.backend_ok = backend is None or attention.sparse_extend_supported(backend)
+        if not self.backend_ok:
+            logger.warning(
+                "semblend: attention backend %s cannot run a sparse extend; every plan is "
+                "declined as %s",
+                type(backend).__name__,
+                Reason.UNSUPPORTED_CACHE,
+            )
+
+    # ----------------------------------------------------------------- 5. publish cap
+    def publish_limit(self, rid: str | None, up_to: int) -> int:
+        """How far request ``rid`` may publish into the exact cache when sglang would publish
+        ``up_to``: never past its first copied position once it reused KV."""
+        state = self.state_of(rid)
+        return min(up_to, state.publish_cap) if state is not None and state.reused_any else up_to
+
+    def publish_cap(self, rid: str | None) -> int | None:
+        """The publish cap of ``rid`` once it reused KV, else None."""
+        state = self.state_of(rid)
+        return state.publish_cap if state is not None and state.reused_any else None
+
+    def published(self, req: Any, published_len: int) -> None:
+        """The tree now holds ``req``'s prompt up to ``published_len``: it donates that (its
+        exact head, capped, once it reused KV); a finished request that reused KV is marked to
+        keep the rest of its prompt as a held donor when its row is released."""
+        cap = self.publish_cap(req.rid)
+        self.register_donor(req, published_len, cap)
+        state = self.requests.get(req.rid)
+        if (
+            cap is not None
+            and state is not None
+            and self.config.keep_reused_donors
+            and req.finished()
+            and len(req.origin_input_ids) >= self.config.min_prompt_tokens
+            and eligible(req)
+        ):
+            self.held.mark(
+                PendingKeep(req.kv, req.rid, state.namespace, list(req.origin_input_ids))
+            )
+
+    def register_donor(self, req: Any, published_len: int, cap: int | None = None) -> None:
+        """Index ``req``'s prompt as a donor (once) when the tree now holds all of it, or, for a
+        request that reused KV (``cap``: its publish cap), the exact head ``prompt[:cap]`` when
+        the tree holds that: everything after it is approximate and was never published."""
+        prompt = req.origin_input_ids
+        end = len(prompt) if cap is None else min(int(cap), len(prompt))
+        if not self.runtime.active:
+            return
+        if published_len >= end >= self.config.min_prompt_tokens and eligible(req):
+            self.runtime.register_donor(namespace_for(req), req.rid, list(prompt[:end]))
+
+    # ----------------------------------------------------------------- 6. end
+    def decline(self, rid: str, reason: str) -> None:
+        """The engine will not use (the rest of) the plan of ``rid``; the request continues
+        normally. A request that already reused KV keeps its state (its publish cap still
+        applies) and completes with the tokens reused so far."""
+        self.decided.add(rid)
+        state = self.requests.get(rid)
+        if state is not None:
+            state.decline(reason)
+            self._drop_ended((state,))
+
+    def _drop_ended(self, states: tuple[RequestReuse, ...]) -> None:
+        """Forget the plans among ``states`` that ended with nothing copied (they are decided:
+        not planned again until released)."""
+        for state in states:
+            if state.ended and self.requests.get(state.rid) is state:
+                del self.requests[state.rid]
+                self.decided.add(state.rid)
+
+    def decided_at_arrival(self, rid: str) -> None:
+        """``rid`` was decided outside the match hooks (substitute mode at arrival): they leave
+        it alone until it is released."""
+        self.decided.add(rid)
+
+    def abort(self, rid: str) -> None:
+        """The engine dropped ``rid`` without running it to its release (aborted while waiting):
+        its plan is declined as ``aborted`` and its state dropped. A request that already reused
+        KV keeps its state: it holds slots, so the engine's release (which applies the publish
+        cap) is still to come."""
+        state = self.requests.get(rid)
+        if state is not None and state.reused_any:
+            return
+        if state is not None:
+            self.decline(rid, Reason.ABORTED)
+        self.release(rid)
+
+    def release(self, rid: str) -> None:
+        """The request ended (finished, aborted or retracted): its plan completes (a request
+        that reused KV and had not yet recorded its outcome is materialized with the tokens it
+        reused) and is forgotten, with its decision."""
+        state = self.requests.pop(rid, None)
+        if state is not None:
+            state.complete()
+        self.decided.discard(rid)
+        self.runtime.release_donor(rid)
