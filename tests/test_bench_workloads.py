@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench import builtin_workloads as wl
+from semblend_sglang.bench import essay_pool
 from semblend_sglang.bench.builtin_workloads import (
     BUILTIN_WORKLOADS,
     LENGTH_TOLERANCE,
@@ -94,7 +95,7 @@ def enc(tok: Any, text: str) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("name", BUILTIN_WORKLOADS)
 def test_deterministic_for_a_seed(name: str, tok: Any, essay_texts: list[str]) -> None:
-    wl._ESSAY_CACHE.clear()  # a cold tokenization cache must not change anything
+    essay_pool._ESSAY_CACHE.clear()  # a cold tokenization cache must not change anything
     first = build_workload(name, tok, essay_texts, 512, GROUPS, seed=7)
     again = build_workload(name, tok, essay_texts, 512, GROUPS, seed=7)
     other = build_workload(name, tok, essay_texts, 512, GROUPS, seed=8)

@@ -8,9 +8,9 @@ same token run wherever it is placed (no retokenization at the seams). The few f
 (instructions, questions, labels, header lines; the module constants below) are tokenized on
 their own and concatenated around the slices, the way a client fills a template. No text other
 than the essays and those constants is used. Slices are carved from the essays without overlap
-(``_EssayPool``), each with the essay's next :data:`REFERENCE_TOKENS` tokens kept back as the
-reference continuation, so no two groups of a workload share essay text and a probe can only
-reuse its own group's donor.
+(:class:`~.essay_pool.EssayPool`), each with the essay's next :data:`REFERENCE_TOKENS` tokens
+kept back as the reference continuation, so no two groups of a workload share essay text and a
+probe can only reuse its own group's donor.
 
 Lengths. Every probe is exactly ``context_tokens`` long. A donor differs from its probe only by
 the length of what the workload changes (instruction, question, header field), at most
@@ -27,15 +27,12 @@ overlap: a runner must clear the server's cache between (workload, length) cells
 from __future__ import annotations
 
 import random
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from .essay_pool import REFERENCE_TOKENS, EssayPool, EssaySlice
 from .workloads import BenchRequest, RequestGroup, Workload, encode
 
-#: Tokens of the essay right after a request's last essay slice, kept as its reference.
-REFERENCE_TOKENS = 64
 #: Largest difference between a donor's length and ``context_tokens`` (multi_turn donors aside).
 LENGTH_TOLERANCE = 16
 #: Shortest supported ``context_tokens`` (the fixed pieces must leave room for essay text).
@@ -112,79 +109,6 @@ BUILTIN_WORKLOADS: tuple[str, ...] = (
 )
 
 
-# --- tokenization --------------------------------------------------------------------------
-
-_ESSAY_CACHE: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _encode_essay(tokenizer: Any, text: str) -> tuple[int, ...]:
-    try:
-        cache = _ESSAY_CACHE.setdefault(tokenizer, {})
-    except TypeError:  # tokenizer not weak-referenceable: no cache
-        return encode(tokenizer, text)
-    ids = cache.get(text)
-    if ids is None:
-        ids = cache[text] = encode(tokenizer, text)
-    return ids
-
-
-@dataclass(frozen=True)
-class _Slice:
-    essay: int
-    start: int
-    ids: tuple[int, ...]
-    reference: tuple[int, ...]
-
-    @property
-    def where(self) -> str:
-        """``essay N [start:end]``, for request labels."""
-        return f"essay {self.essay} [{self.start}:{self.start + len(self.ids)}]"
-
-
-class _EssayPool:
-    """Hands out non-overlapping token slices of the essays, in a seeded essay order.
-
-    Each slice is followed by the essay's next ``REFERENCE_TOKENS`` tokens (its reference),
-    which are also reserved, so nothing handed out overlaps. Essays are tokenized on first use.
-    """
-
-    def __init__(self, tokenizer: Any, essays: Sequence[str], rng: random.Random) -> None:
-        self._tokenizer = tokenizer
-        self._essays = essays
-        self._order = list(range(len(essays)))
-        rng.shuffle(self._order)
-        self._cursor: dict[int, int] = {}
-
-    def take(
-        self, length: int, *, avoid: frozenset[int] = frozenset(), fresh: bool = False
-    ) -> _Slice:
-        """A slice of ``length`` tokens from the first essay (in pool order) that is not in
-        ``avoid``, has room for it and its reference, and (``fresh``) was never used."""
-        need = length + REFERENCE_TOKENS
-        for index in self._order:
-            start = self._cursor.get(index, 0)
-            if index in avoid or (fresh and start > 0):
-                continue
-            if len(self._essays[index].encode("utf-8")) - start < need:
-                continue  # a token covers at least one UTF-8 byte: cannot fit
-            ids = _encode_essay(self._tokenizer, self._essays[index])
-            if len(ids) - start < need:
-                continue
-            self._cursor[index] = start + need
-            return _Slice(
-                essay=index,
-                start=start,
-                ids=ids[start : start + length],
-                reference=ids[start + length : start + need],
-            )
-        raise ValueError(
-            f"not enough essay text for another slice of {length} tokens "
-            f"(+{REFERENCE_TOKENS} reference); use fewer groups or shorter contexts"
-        )
-
-
 def _split(total: int, parts: int) -> list[int]:
     """``total`` as ``parts`` near-equal positive sizes (larger ones first)."""
     base, extra = divmod(total, parts)
@@ -200,7 +124,7 @@ def _two_distinct(rng: random.Random, n: int) -> tuple[int, int]:
 
 
 def _cross_instruction(
-    tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random
+    tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random
 ) -> RequestGroup:
     a, b = _two_distinct(rng, len(INSTRUCTIONS))
     head_a, head_b = encode(tok, INSTRUCTIONS[a]), encode(tok, INSTRUCTIONS[b])
@@ -219,13 +143,13 @@ def _cross_instruction(
     )
 
 
-def _rag(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
+def _rag(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
     labels = [encode(tok, RAG_PASSAGE_LABEL.format(k=k + 1)) for k in range(RAG_PASSAGES)]
     sep = encode(tok, RAG_SEPARATOR)
     qd, qp = _two_distinct(rng, len(RAG_QUESTIONS))
     q_donor, q_probe = encode(tok, RAG_QUESTIONS[qd]), encode(tok, RAG_QUESTIONS[qp])
     overhead = sum(len(label) + len(sep) for label in labels) + len(q_probe)
-    passages: list[_Slice] = []
+    passages: list[EssaySlice] = []
     for size in _split(ctx - overhead, RAG_PASSAGES):
         passages.append(pool.take(size, avoid=frozenset(p.essay for p in passages)))
     order = list(range(RAG_PASSAGES))
@@ -259,7 +183,7 @@ def _rag(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> 
     )
 
 
-def _rag_corpus(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
+def _rag_corpus(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
     """RAG over a shared corpus: the probe's 4 passages were each retrieved by an earlier request
     (a donor), but no donor retrieved all of them; every request has its own instruction,
     passage order and question."""
@@ -275,7 +199,7 @@ def _rag_corpus(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Rand
         + len(questions[asked[-1]])
     )
     size = (ctx - overhead) // RAG_PASSAGES
-    corpus: list[_Slice] = []
+    corpus: list[EssaySlice] = []
     for _ in range(RAG_CORPUS_PASSAGES):
         corpus.append(pool.take(size, avoid=frozenset(p.essay for p in corpus)))
     chosen = rng.sample(range(RAG_CORPUS_PASSAGES), RAG_PASSAGES)
@@ -325,7 +249,7 @@ def _pad(ids: tuple[int, ...], missing: int, sep: tuple[int, ...]) -> tuple[int,
     return (sep[-1],) * missing + ids
 
 
-def _template(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
+def _template(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
     date, name = rng.choice(DATES), rng.choice(NAMES)
     new_date, new_name = date, name
     changed = rng.choice(("date", "name"))
@@ -363,7 +287,7 @@ def _template(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random
     )
 
 
-def _multi_turn(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
+def _multi_turn(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
     i = rng.randrange(len(DATES) - 1)
     sys_donor = encode(tok, CHAT_SYSTEM_LINE.format(date=DATES[i]))
     sys_probe = encode(tok, CHAT_SYSTEM_LINE.format(date=DATES[i + 1]))  # resumed a day later
@@ -415,7 +339,7 @@ def _multi_turn(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Rand
     )
 
 
-def _control(tok: Any, pool: _EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
+def _control(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
     window = pool.take(ctx, fresh=True)
     return RequestGroup(
         gid, (BenchRequest(window.ids, "probe", window.reference, f"no donor, {window.where}"),)
@@ -459,7 +383,7 @@ def build_workload(
     if groups < 1:
         raise ValueError(f"groups must be >= 1, not {groups}")
     rng = random.Random(f"{name}/{context_tokens}/{seed}")
-    pool = _EssayPool(tokenizer, essays, rng)
+    pool = EssayPool(tokenizer, essays, rng)
     builder = _BUILDERS[name]
     built = tuple(
         builder(tokenizer, pool, context_tokens, f"{name}-{context_tokens}-{k:03d}", rng)
