@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.server import SglangServer, http_json
-from tests.harness.server import healthy_server
+from tests.harness.server import generate, healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +31,8 @@ INDEX_BYTES = 1024 * 1024
 DOC_TOKENS = 600
 """Tokens of each shared document: above semblend's 256-token minimum prompt, short enough
 that a prefill on one core takes about a second."""
+NEW_TOKENS = 4
+"""Greedy output tokens of each request but the load fillers'."""
 LOAD_MARGIN = 2048
 HEADS = (
     "Summarize the following essay in three sentences.\n\n",
@@ -59,16 +61,6 @@ def server(
 @pytest.fixture(scope="module")
 def enc(smollm2_tokenizer: Any) -> Any:
     return lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)
-
-
-def _generate(url: str, ids: list[int], max_new_tokens: int = 4, **extra: Any) -> dict[str, Any]:
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        **extra,
-    }
-    result: dict[str, Any] = http_json(url + "/generate", payload)
-    return result
 
 
 def _totals(url: str) -> dict[str, Any]:
@@ -103,11 +95,11 @@ def test_a_probe_is_sent_to_its_donors_rank_and_materializes(
     server: SglangServer, enc: Any, essay_texts: list[str]
 ) -> None:
     doc = enc(essay_texts[0])[:DOC_TOKENS]
-    donor = _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1)
+    donor = generate(server.url, enc(HEADS[0]) + doc, NEW_TOKENS, routed_dp_rank=1)
     assert _cached(donor) < 50
     for head in HEADS[1:3]:
         before, reused = _materialized(server.url), _reused(server.url)
-        probe = _generate(server.url, enc(head) + doc)
+        probe = generate(server.url, enc(head) + doc, NEW_TOKENS)
         assert _materialized(server.url) == before + 1
         assert _reused(server.url) - reused >= 0.9 * len(doc)
         assert _cached(probe) < 50  # reuse is not client-visible
@@ -117,13 +109,13 @@ def test_a_pinned_request_stays_pinned(
     server: SglangServer, enc: Any, essay_texts: list[str]
 ) -> None:
     doc = enc(essay_texts[1])[:DOC_TOKENS]
-    _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1)
+    generate(server.url, enc(HEADS[0]) + doc, NEW_TOKENS, routed_dp_rank=1)
     before = _materialized(server.url)
-    pinned = _generate(server.url, enc(HEADS[1]) + doc, routed_dp_rank=0)
+    pinned = generate(server.url, enc(HEADS[1]) + doc, NEW_TOKENS, routed_dp_rank=0)
     assert _cached(pinned) < 50 and _materialized(server.url) == before
     # the same probe pinned to the donor's rank hits: the miss above was the pin's doing
     reused = _reused(server.url)
-    _generate(server.url, enc(HEADS[2]) + doc, routed_dp_rank=1)
+    generate(server.url, enc(HEADS[2]) + doc, NEW_TOKENS, routed_dp_rank=1)
     assert _reused(server.url) - reused >= 0.9 * len(doc)
 
 
@@ -131,15 +123,15 @@ def test_a_heavily_loaded_donor_rank_is_skipped(
     server: SglangServer, enc: Any, essay_texts: list[str]
 ) -> None:
     doc = enc(essay_texts[2])[:DOC_TOKENS]
-    _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1)
+    generate(server.url, enc(HEADS[0]) + doc, NEW_TOKENS, routed_dp_rank=1)
     fillers = [enc(essay_texts[20 + i])[:1200] for i in range(3)]
     overloaded_before = max((s.get("overloaded", 0) for s in _dispatch_stats(server)), default=0)
     with ThreadPoolExecutor(max_workers=3) as pool:
         # ~3,600 prompt tokens pinned to rank 1: the controller counts them at once
-        load = [pool.submit(_generate, server.url, ids, 8, routed_dp_rank=1) for ids in fillers]
+        load = [pool.submit(generate, server.url, ids, 8, routed_dp_rank=1) for ids in fillers]
         time.sleep(1.0)  # the fillers reach the controller first
         before = _materialized(server.url)
-        probe = _generate(server.url, enc(HEADS[1]) + doc)
+        probe = generate(server.url, enc(HEADS[1]) + doc, NEW_TOKENS)
         for f in load:
             f.result()
     assert _cached(probe) < 50 and _materialized(server.url) == before  # went to rank 0
@@ -152,12 +144,12 @@ def test_dispatch_never_crosses_namespaces(
     server: SglangServer, enc: Any, essay_texts: list[str], field: str
 ) -> None:
     doc = enc(essay_texts[3 if field == "cache_salt" else 4])[:DOC_TOKENS]
-    _generate(server.url, enc(HEADS[0]) + doc, routed_dp_rank=1, **{field: "tenant-a"})
+    generate(server.url, enc(HEADS[0]) + doc, NEW_TOKENS, routed_dp_rank=1, **{field: "tenant-a"})
     before = _materialized(server.url)
-    other = _generate(server.url, enc(HEADS[1]) + doc, **{field: "tenant-b"})
+    other = generate(server.url, enc(HEADS[1]) + doc, NEW_TOKENS, **{field: "tenant-b"})
     assert _cached(other) < 50 and _materialized(server.url) == before
     reused = _reused(server.url)
-    _generate(server.url, enc(HEADS[2]) + doc, **{field: "tenant-a"})
+    generate(server.url, enc(HEADS[2]) + doc, NEW_TOKENS, **{field: "tenant-a"})
     assert _reused(server.url) - reused >= 0.9 * len(doc)
     assert _materialized(server.url) == before + 1
 

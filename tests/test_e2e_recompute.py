@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.client import flush_cache
-from semblend_sglang.server import SglangServer, http_json
-from tests.harness.server import healthy_server
+from semblend_sglang.server import SglangServer
+from tests.harness.server import generate, healthy_server, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
@@ -72,30 +72,22 @@ def prompts(smollm2_tokenizer: Any, essay_texts: list[str]) -> tuple[list[int], 
     return donor, target
 
 
-def _generate(
+def _answer(
     url: str, ids: list[int], n: int = 12, *, reference: bool = False, salt: str | None = None
 ) -> tuple[list[int], list[float]]:
-    params: dict[str, Any] = {"max_new_tokens": n, "temperature": 0}
-    if reference:
-        params["custom_params"] = {"semblend_dense_reference": True}
-    payload: dict[str, Any] = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-    if salt is not None:
-        payload["cache_salt"] = salt
-    out = http_json(url + "/generate", payload)
+    """(output ids, their logprobs) of a greedy ``/generate`` of ``ids`` (``n`` new tokens);
+    ``reference``: the dense reference (``custom_params``); ``salt``: its ``cache_salt``."""
+    custom = {"semblend_dense_reference": True} if reference else None
+    out = generate(url, ids, n, custom_params=custom, return_logprob=True, cache_salt=salt)
     logprobs = [float(entry[0]) for entry in out["meta_info"]["output_token_logprobs"]]
     return list(out["output_ids"]), logprobs
-
-
-def _total(url: str) -> dict[str, Any]:
-    total: dict[str, Any] = http_json(url + "/semblend/snapshot")["total"]
-    return total
 
 
 def _after_fresh_donor(url: str, donor: list[int]) -> dict[str, Any]:
     """Flush the server's cache, prefill the donor again, return the counters."""
     flush_cache(url)
-    _generate(url, donor, 1)
-    return _total(url)
+    _answer(url, donor, 1)
+    return semblend_totals(url)
 
 
 def _assert_same_answer(
@@ -112,8 +104,8 @@ def test_a_deviation_selection_answers_like_its_dense_reference(
     url = deviation_server.url
     donor, target = prompts
     before = _after_fresh_donor(url, donor)
-    sparse = _generate(url, target)
-    after = _total(url)
+    sparse = _answer(url, target)
+    after = semblend_totals(url)
     assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1
     kept = after["reused_tokens"] - before["reused_tokens"]
     recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
@@ -121,8 +113,8 @@ def test_a_deviation_selection_answers_like_its_dense_reference(
     assert kept >= 500 and recomputed >= 0.29 * (kept + recomputed), (kept, recomputed)
 
     before = _after_fresh_donor(url, donor)
-    dense = _generate(url, target, reference=True)
-    after = _total(url)
+    dense = _answer(url, target, reference=True)
+    after = semblend_totals(url)
     assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
     _assert_same_answer(sparse, dense)
 
@@ -133,20 +125,17 @@ def test_a_gate_that_refuses_recomputes_everything_and_answers_like_cold(
     url = gated_server.url
     donor, target = prompts
     before = _after_fresh_donor(url, donor)
-    gated = _generate(url, target)
-    after = _total(url)
+    gated = _answer(url, target)
+    after = semblend_totals(url)
     assert after["declined"].get("quality_gate", 0) == before["declined"].get("quality_gate", 0) + 1
     assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"]
     assert after["recompute_gated"] == before["recompute_gated"] + 1
     assert after["reused_tokens"] == before["reused_tokens"]
     assert after["recomputed_tokens"] - before["recomputed_tokens"] >= 800
-    cold = _generate(url, target, salt="cold")
+    cold = _answer(url, target, salt="cold")
     _assert_same_answer(gated, cold)
     # the gated request published nothing from its first copied position on: a repeat is not
     # an exact hit of its KV
-    repeat = http_json(
-        url + "/generate",
-        {"input_ids": target, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-    )
+    repeat = generate(url, target, 1)
     assert repeat["meta_info"]["cached_tokens"] < 50
     assert gated_server.alive()

@@ -19,6 +19,7 @@ import pytest
 
 from semblend_sglang.server import SglangServer, http_json
 from tests.conftest import REPO_ROOT
+from tests.harness.server import generate, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
@@ -47,23 +48,6 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _generate(
-    url: str,
-    ids: list[int],
-    max_new_tokens: int = 8,
-    cache_salt: str | None = None,
-    custom_params: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0}
-    if custom_params is not None:
-        sampling["custom_params"] = custom_params
-    payload: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling}
-    if cache_salt is not None:
-        payload["cache_salt"] = cache_salt
-    result: dict[str, Any] = http_json(url + "/generate", payload)
-    return result
-
-
 def _copied(metrics: dict[str, float]) -> float:
     """Tokens copied from donors: kept, or recomputed by the recompute budget."""
     return metrics.get("semblend_reused_tokens_total", 0.0) + metrics.get(
@@ -81,10 +65,10 @@ def test_changed_instruction_reuses_the_shared_document(
     enc = smollm2_tokenizer.encode
     doc = enc(essay_texts[0], add_special_tokens=False)[:1100]
     assert len(doc) >= 1000
-    first = _generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc)
+    first = generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc, 8)
     before = _metrics(server.url)
     target = enc(INSTRUCTIONS[1], add_special_tokens=False) + doc
-    second = _generate(server.url, target, max_new_tokens=16)
+    second = generate(server.url, target, 16)
     after = _metrics(server.url)
     reused = _copied(after) - _copied(before)
     assert reused >= 0.9 * len(doc), (reused, len(doc))
@@ -99,7 +83,7 @@ def test_changed_instruction_reuses_the_shared_document(
     # The same prompt computed cold (another cache_salt: no donor, no exact prefix) answers the
     # same first tokens; the reused document KV attended to another instruction, so greedy
     # decoding may part later (measured per workload by the bench: docs/perf.md).
-    cold = _generate(server.url, target, max_new_tokens=16, cache_salt="cold")
+    cold = generate(server.url, target, 16, cache_salt="cold")
     assert cold["meta_info"]["cached_tokens"] == 0
     got, want = second["output_ids"], cold["output_ids"]
     agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 16)
@@ -107,7 +91,7 @@ def test_changed_instruction_reuses_the_shared_document(
 
     # An exact repeat is not served from the approximate KV: had it been published, the exact
     # prefix would cover the prompt and the provider would route it as "exact".
-    repeat = _generate(server.url, target)
+    repeat = generate(server.url, target, 8)
     final = _metrics(server.url)
     assert _outcome(final, "exact") == _outcome(after, "exact")
     assert _outcome(final, "materialized") == _outcome(after, "materialized") + 1
@@ -121,7 +105,7 @@ def test_sixteen_concurrent_mixed_requests_complete_and_pools_stay_consistent(
     docs = [enc(essay_texts[i], add_special_tokens=False)[:700] for i in (1, 2, 3)]
     heads = [enc(t, add_special_tokens=False) for t in INSTRUCTIONS]
     for doc in docs:  # donors
-        _generate(server.url, heads[0] + doc, max_new_tokens=2)
+        generate(server.url, heads[0] + doc, 2)
     prompts = []
     for i in range(16):
         doc = docs[i % 3]
@@ -130,7 +114,7 @@ def test_sixteen_concurrent_mixed_requests_complete_and_pools_stay_consistent(
         else:
             prompts.append(heads[1 + i % 3] + doc)
     with ThreadPoolExecutor(max_workers=16) as pool:
-        results = list(pool.map(lambda ids: _generate(server.url, ids, 6), prompts))
+        results = list(pool.map(lambda ids: generate(server.url, ids, 6), prompts))
     assert all(r["meta_info"]["completion_tokens"] == 6 for r in results)
     assert _outcome(_metrics(server.url), "materialized") >= 3
     time.sleep(1)  # idle: the scheduler runs its strict pool/tree checks on its first idle loop
@@ -138,8 +122,8 @@ def test_sixteen_concurrent_mixed_requests_complete_and_pools_stay_consistent(
         assert resp.status == 200  # the scheduler still runs a forward after its idle checks
     # Exact caching still works and is exact: a repeat of a donor hits and decodes the same.
     donor = heads[0] + docs[0]
-    a = _generate(server.url, donor, max_new_tokens=8)
-    b = _generate(server.url, donor, max_new_tokens=8)
+    a = generate(server.url, donor, 8)
+    b = generate(server.url, donor, 8)
     assert b["meta_info"]["cached_tokens"] >= len(donor) - 1
     assert a["text"] == b["text"]
     assert server.alive()
@@ -157,21 +141,21 @@ def test_a_passage_computed_after_a_reused_one_is_reused_from_the_held_donor(
     doc_a = enc(essay_texts[4], add_special_tokens=False)[:500]
     doc_c = enc(essay_texts[5], add_special_tokens=False)[:500]
     heads = [enc(t, add_special_tokens=False) for t in INSTRUCTIONS]
-    _generate(server.url, heads[0] + doc_a, max_new_tokens=2)
+    generate(server.url, heads[0] + doc_a, 2)
     before = _metrics(server.url)
-    _generate(server.url, heads[1] + doc_a + doc_c, max_new_tokens=2)  # reuses A, computes C
+    generate(server.url, heads[1] + doc_a + doc_c, 2)  # reuses A, computes C
     middle = _metrics(server.url)
     assert _outcome(middle, "materialized") - _outcome(before, "materialized") == 1
-    held = _snapshot(server.url)["total"]["held_donors"]
+    held = semblend_totals(server.url)["held_donors"]
     assert held["kept"] >= 1 and held["tokens"] >= len(doc_c), held
 
     probe = heads[2] + doc_c + heads[3]
-    got = _generate(server.url, probe, max_new_tokens=16)
+    got = generate(server.url, probe, 16)
     after = _metrics(server.url)
     reused = _copied(after) - _copied(middle)
     assert reused >= 0.9 * len(doc_c), (reused, len(doc_c))
-    assert _snapshot(server.url)["total"]["held_donors"]["matched"] > held["matched"]
-    cold = _generate(server.url, probe, max_new_tokens=16, cache_salt="cold-held")
+    assert semblend_totals(server.url)["held_donors"]["matched"] > held["matched"]
+    cold = generate(server.url, probe, 16, cache_salt="cold-held")
     assert cold["meta_info"]["cached_tokens"] == 0
     a, b = got["output_ids"], cold["output_ids"]
     agree = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 16)
@@ -183,12 +167,6 @@ def test_a_passage_computed_after_a_reused_one_is_reused_from_the_held_donor(
     assert "memory leak" not in server.log_tail(4000)
 
 
-def _snapshot(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/semblend/snapshot", timeout=30) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
-    return data
-
-
 def test_a_request_that_opts_out_is_served_cold_on_both_apis(
     server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
 ) -> None:
@@ -197,16 +175,16 @@ def test_a_request_that_opts_out_is_served_cold_on_both_apis(
     ``declined:opted_out``, and the answer is the cold run's."""
     enc = smollm2_tokenizer.encode
     doc = enc(essay_texts[6], add_special_tokens=False)[:900]
-    _generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc)  # the donor
+    generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc, 8)  # the donor
     target = enc(INSTRUCTIONS[2], add_special_tokens=False) + doc
     before = _metrics(server.url)
-    off = _generate(server.url, target, 16, custom_params={"semblend_reuse": False})
+    off = generate(server.url, target, 16, custom_params={"semblend_reuse": False})
     after = _metrics(server.url)
     opted = 'semblend_declined_total{reason="opted_out"}'
     assert after[opted] - before.get(opted, 0.0) == 1
     assert _outcome(after, "materialized") == _outcome(before, "materialized")
     assert _copied(after) == _copied(before)  # nothing read from the donor
-    cold = _generate(server.url, target, 16, cache_salt="opt-out-cold")
+    cold = generate(server.url, target, 16, cache_salt="opt-out-cold")
     assert cold["meta_info"]["cached_tokens"] == 0
     assert off["output_ids"] == cold["output_ids"]
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.server import SglangServer, http_json
+from tests.harness.server import generate
 
 pytestmark = pytest.mark.e2e
 
@@ -27,11 +28,6 @@ def server(semblend_server: SglangServer) -> SglangServer:
 @pytest.fixture
 def standin_log(sgl_kernel_standin_log: Path) -> Path:
     return sgl_kernel_standin_log
-
-
-def _generate(url: str, payload: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = http_json(url + "/generate", payload)
-    return result
 
 
 def test_chat_capital_of_france(server: SglangServer) -> None:
@@ -55,9 +51,8 @@ def test_exact_prefix_hit_on_repeat(
     # would publish only its exact head, and the repeat would not be an exact hit
     ids = smollm2_tokenizer.encode(essay_texts[40], add_special_tokens=False)[:500]
     prompt = smollm2_tokenizer.decode(ids)
-    params = {"max_new_tokens": 8, "temperature": 0}
-    first = _generate(server.url, {"text": prompt, "sampling_params": params})
-    second = _generate(server.url, {"text": prompt, "sampling_params": params})
+    first = generate(server.url, prompt, 8)
+    second = generate(server.url, prompt, 8)
     n = first["meta_info"]["prompt_tokens"]
     assert 490 <= n <= 510
     assert first["meta_info"]["cached_tokens"] < 50
@@ -70,7 +65,7 @@ def test_sgl_kernel_standin_loaded_but_never_called(
     server: SglangServer, standin_log: Path
 ) -> None:
     # Runs after the requests above (file order); make one more so this test stands alone.
-    _generate(server.url, {"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+    generate(server.url, "Hello", 4, temperature=None)
     lines = standin_log.read_text().splitlines()
     imports = {line.split()[0] for line in lines if line.endswith(" import")}
     assert imports, "the stand-in was never imported: the CPU runtime did not reach sglang"

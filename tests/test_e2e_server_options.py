@@ -21,14 +21,8 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import (
-    PortInUseError,
-    ServerError,
-    SglangServer,
-    free_port,
-    http_json,
-)
-from tests.harness.server import healthy_server
+from semblend_sglang.server import PortInUseError, ServerError, SglangServer, free_port
+from tests.harness.server import generate, healthy_server
 
 pytestmark = pytest.mark.e2e
 
@@ -47,15 +41,6 @@ def prompts(smollm2_tokenizer: Any, essay_texts: list[str]) -> tuple[list[int], 
         enc(INSTRUCTIONS[0], add_special_tokens=False) + doc,
         enc(INSTRUCTIONS[1], add_special_tokens=False) + doc,
     )
-
-
-def _generate(url: str, ids: list[int], max_new_tokens: int = 8, **extra: Any) -> Any:
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        **extra,
-    }
-    return http_json(url + "/generate", payload)
 
 
 def _rank(url: str, key: str | None = None) -> dict[str, Any]:
@@ -94,14 +79,14 @@ def test_chunked_prefill_off_serves_a_semantic_hit_like_cold(
     unchunked: SglangServer, prompts: tuple[list[int], list[int]]
 ) -> None:
     donor, probe = prompts
-    _generate(unchunked.url, donor, 1)
+    generate(unchunked.url, donor, 1)
     before = _rank(unchunked.url)
-    reused = _generate(unchunked.url, probe)
+    reused = generate(unchunked.url, probe, 8)
     after = _rank(unchunked.url)
     assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1, after
     copied = after["reused_tokens"] + after.get("recomputed_tokens", 0)
     assert copied - before["reused_tokens"] - before.get("recomputed_tokens", 0) >= 800
-    cold = _generate(unchunked.url, probe, cache_salt="cold")
+    cold = generate(unchunked.url, probe, 8, cache_salt="cold")
     assert cold["meta_info"]["cached_tokens"] == 0
     got, want = reused["output_ids"], cold["output_ids"]
     agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
@@ -118,7 +103,7 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
     args = ["--disable-radix-cache", "--admin-api-key", ADMIN_KEY]
     with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
         for ids in prompts:
-            answer = _generate(srv.url, ids, 4)
+            answer = generate(srv.url, ids, 4)
             assert answer["meta_info"]["completion_tokens"] == 4
         # the snapshot follows SGLang's admin rule: with --admin-api-key it needs the key
         with pytest.raises(urllib.error.HTTPError) as denied:
@@ -195,5 +180,5 @@ def test_a_taken_port_fails_fast_and_the_harness_starts_again_on_another(
         with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}) as srv:
             assert starts == [(taken, PortInUseError), (fresh, None)], starts
             assert srv.url.endswith(f":{fresh}")
-            answer = _generate(srv.url, [1, 2, 3, 4], 2)
+            answer = generate(srv.url, [1, 2, 3, 4], 2)
             assert answer["meta_info"]["completion_tokens"] == 2

@@ -17,6 +17,7 @@ import torch
 from semblend_sglang.kernels import RopeSpec, rotate_k
 from semblend_sglang.kernels.rotate_ref import rotate_fp32
 from tests.test_kernels_transfer import CASE_IDS, CASES, Case, assert_kernel_equals_reference
+from tests.triton_mode import triton_interpreted
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -31,10 +32,7 @@ CUDA = torch.device("cuda")
 @pytest.fixture(autouse=True)
 def compiled_triton() -> None:
     """Skip when this process's triton was imported under the interpreter (see module doc)."""
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(standard.zeros, InterpretedFunction):
+    if triton_interpreted():
         pytest.skip("triton was imported under TRITON_INTERPRET in this process: run alone")
 
 

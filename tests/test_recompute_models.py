@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.bench.client import flush_cache, semblend_snapshot
-from semblend_sglang.server import SglangServer, http_json
+from semblend_sglang.bench.client import flush_cache
+from semblend_sglang.server import SglangServer
 from tests.harness.random_models import SHAPES, build_random_model
-from tests.harness.server import healthy_server
+from tests.harness.server import generate, healthy_server, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
@@ -54,29 +54,24 @@ RECOMPUTE_ENV = {
 }
 
 
-def _generate(
+def _answer(
     url: str, ids: list[int], new_tokens: int = NEW_TOKENS, **custom: Any
 ) -> dict[str, Any]:
-    """Greedy ``/generate`` of ``ids`` (``new_tokens``, EOS ignored) with output logprobs and
-    top logprobs; ``custom`` goes to ``sampling_params.custom_params``."""
-    sampling: dict[str, Any] = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    if custom:
-        sampling["custom_params"] = custom
-    payload = {
-        "input_ids": ids,
-        "sampling_params": sampling,
-        "return_logprob": True,
-        "top_logprobs_num": TOP_LOGPROBS,
-    }
-    result: dict[str, Any] = http_json(url + "/generate", payload, timeout=300)
+    """Greedy ``/generate`` of ``ids`` (``new_tokens``, EOS ignored, all of them asserted
+    generated) with output logprobs and top logprobs; ``custom`` goes to
+    ``sampling_params.custom_params`` (left out when empty)."""
+    result = generate(
+        url,
+        ids,
+        new_tokens,
+        sampling={"ignore_eos": True},
+        custom_params=custom or None,
+        timeout=300,
+        return_logprob=True,
+        top_logprobs_num=TOP_LOGPROBS,
+    )
     assert result["meta_info"]["completion_tokens"] == new_tokens, result["meta_info"]
     return result
-
-
-def _snapshot(url: str) -> dict[str, Any]:
-    total = semblend_snapshot(url)
-    assert total is not None, "the server has no /semblend/snapshot route"
-    return total
 
 
 def _top(answer: dict[str, Any], i: int) -> list[tuple[float, int]]:
@@ -148,10 +143,10 @@ def _reuse_run(url: str, donor: list[int], target: list[int], **custom: Any) -> 
     """From an empty cache: the donor, then the target (with ``custom`` params). Returns the
     target's answer with the snapshot deltas of the target alone under ``"semblend"``."""
     flush_cache(url)
-    _generate(url, donor, new_tokens=1)  # only its prompt's KV matters
-    before = _snapshot(url)
-    answer = _generate(url, target, **custom)
-    after = _snapshot(url)
+    _answer(url, donor, new_tokens=1)  # only its prompt's KV matters
+    before = semblend_totals(url)
+    answer = _answer(url, target, **custom)
+    after = semblend_totals(url)
     answer["semblend"] = {
         "materialized": _outcome_delta(after, before, "materialized"),
         "reused_tokens": _delta(after, before, "reused_tokens"),
@@ -169,7 +164,7 @@ def _reuse_run(url: str, donor: list[int], target: list[int], **custom: Any) -> 
 def _cold_run(url: str, target: list[int]) -> dict[str, Any]:
     """The target from an empty cache and no donor."""
     flush_cache(url)
-    return _generate(url, target)
+    return _answer(url, target)
 
 
 @pytest.fixture(scope="class", params=RECOMPUTE_SHAPES)

@@ -23,6 +23,7 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     build_sparse_extend_metadata,
 )
 from tests.sparse_extend_batches import Batch, random_batch
+from tests.triton_mode import triton_interpreted
 
 pytest.importorskip("sglang")
 pytest.importorskip("triton")
@@ -31,16 +32,7 @@ ATOL = 2e-5
 BLOCK = 16  # BLOCK_M = BLOCK_N: small tiles, so a request's queries span several causal tiles
 
 
-def _interpreted() -> bool:
-    """True when triton was imported under TRITON_INTERPRET=1 (triton.jit reads the flag when
-    applied, triton.language's own helpers included, so setting it later is not enough)."""
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(standard.zeros, InterpretedFunction)
-
-
-INTERPRETED = _interpreted()
+INTERPRETED = triton_interpreted()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in test_kernel_tests_under_the_interpreter's child process"
 )

@@ -1,12 +1,15 @@
-"""The real SGLang server for end-to-end tests: started on a free port, healthy, stopped."""
+"""The real SGLang server for end-to-end tests: started on a free port, healthy, stopped; and
+the tests' requests to it (one non-streamed ``POST /generate``, semblend's snapshot counters)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from semblend_sglang.server import PortInUseError, SglangServer, free_port, start_server
+from semblend_sglang.bench.client import semblend_snapshot
+from semblend_sglang.server import PortInUseError, SglangServer, free_port, http_json, start_server
 
 HEALTHY_WITHIN_S = 600.0
 """How long a test server may take to load and answer ``/health`` (a loaded 2-core CI box)."""
@@ -48,3 +51,59 @@ def healthy_server(
         yield server
     finally:
         server.stop()
+
+
+SAMPLING_ARGUMENTS = frozenset({"max_new_tokens", "temperature", "custom_params"})
+"""The ``sampling_params`` keys :func:`generate` takes as its own arguments, not in ``sampling``."""
+
+
+def generate(
+    url: str,
+    prompt: Sequence[int] | str,
+    max_new_tokens: int,
+    /,
+    *,
+    temperature: float | None = 0,
+    sampling: Mapping[str, Any] | None = None,
+    custom_params: Mapping[str, Any] | None = None,
+    timeout: float = 600.0,
+    **fields: Any,
+) -> dict[str, Any]:
+    """POST one non-streamed ``/generate`` to the server at ``url`` and return its decoded JSON
+    answer (``text``, ``output_ids``, ``meta_info``, ...), read within ``timeout`` seconds.
+
+    The request body, keys in this order: ``input_ids`` (``prompt`` as a list) or, when
+    ``prompt`` is a str, ``text``; ``sampling_params``: ``max_new_tokens``, ``temperature``
+    (0: greedy; None leaves it out, the server's default), ``sampling``'s items (further
+    sampling parameters, e.g. ``ignore_eos``; none of :data:`SAMPLING_ARGUMENTS`, else
+    ValueError) and ``custom_params`` unless None; then ``fields`` as top-level fields (e.g.
+    ``return_logprob``, ``top_logprobs_num``, ``cache_salt``, ``extra_key``,
+    ``routed_dp_rank``), each left out when its value is None. An error status raises
+    ``urllib.error.HTTPError`` (:func:`semblend_sglang.server.http_json`)."""
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if temperature is not None:
+        params["temperature"] = temperature
+    if sampling is not None:
+        taken = SAMPLING_ARGUMENTS.intersection(sampling)
+        if taken:
+            raise ValueError(f"pass {sorted(taken)} as generate's own arguments, not in sampling")
+        params.update(sampling)
+    if custom_params is not None:
+        params["custom_params"] = dict(custom_params)
+    payload: dict[str, Any] = (
+        {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+    )
+    payload["sampling_params"] = params
+    payload.update({key: value for key, value in fields.items() if value is not None})
+    answer: dict[str, Any] = http_json(url + "/generate", payload, timeout=timeout)
+    return answer
+
+
+def semblend_totals(url: str) -> dict[str, Any]:
+    """semblend's counters summed over the schedulers of the server at ``url``
+    (:func:`semblend_sglang.bench.client.semblend_snapshot`: ``GET /semblend/snapshot``'s
+    ``total``); AssertionError when the server has no such route (a vanilla server), and
+    ``httpx.HTTPStatusError`` on another error status."""
+    total = semblend_snapshot(url)
+    assert total is not None, f"{url} has no /semblend/snapshot route"
+    return total

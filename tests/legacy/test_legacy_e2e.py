@@ -23,7 +23,8 @@ _SKIP = legacy_skip_reason()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
-from semblend_sglang.server import SglangServer, http_json, start_server  # noqa: E402
+from semblend_sglang.server import SglangServer, start_server  # noqa: E402
+from tests.harness.server import generate, semblend_totals  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -56,24 +57,6 @@ def server(
         srv.stop()
 
 
-def _snapshot(url: str) -> dict[str, Any]:
-    snap: dict[str, Any] = http_json(url + "/semblend/snapshot")["total"]
-    return snap
-
-
-def _generate(
-    url: str, ids: list[int], max_new_tokens: int = 8, extra_key: str | None = None
-) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-    }
-    if extra_key is not None:  # 0.5.15's /generate has no cache_salt; extra_key is its key
-        payload["extra_key"] = extra_key
-    result: dict[str, Any] = http_json(url + "/generate", payload)
-    return result
-
-
 def _outcome(snap: dict[str, Any], outcome: str) -> int:
     return int(snap.get("outcomes", {}).get(outcome, 0))
 
@@ -84,11 +67,11 @@ def test_legacy_server_changed_instruction_reuses_the_shared_document(
     enc = smollm2_tokenizer.encode
     doc = enc(essay_texts[0], add_special_tokens=False)[:1100]
     assert len(doc) >= 1000
-    first = _generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc)
-    before = _snapshot(server.url)
+    first = generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc, 8)
+    before = semblend_totals(server.url)
     target = enc(INSTRUCTIONS[1], add_special_tokens=False) + doc
-    second = _generate(server.url, target, max_new_tokens=16)
-    after = _snapshot(server.url)
+    second = generate(server.url, target, 16)
+    after = semblend_totals(server.url)
     reused = sum(int(after.get(k, 0)) - int(before.get(k, 0)) for k in COPIED)
     assert reused >= 0.9 * len(doc), (reused, len(doc), after)
     assert _outcome(after, "materialized") - _outcome(before, "materialized") == 1
@@ -99,7 +82,8 @@ def test_legacy_server_changed_instruction_reuses_the_shared_document(
     # The same prompt computed cold (another extra_key: no donor, no exact prefix) answers the
     # same first tokens (the reused document KV attended to another instruction, so greedy
     # decoding may part later).
-    cold = _generate(server.url, target, max_new_tokens=16, extra_key="cold")
+    # 0.5.15's /generate has no cache_salt; extra_key is its key
+    cold = generate(server.url, target, 16, extra_key="cold")
     assert cold["meta_info"]["cached_tokens"] == 0
     got, want = second["output_ids"], cold["output_ids"]
     agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 16)
@@ -107,8 +91,8 @@ def test_legacy_server_changed_instruction_reuses_the_shared_document(
 
     # An exact repeat is not served from the approximate KV: had it been published, the exact
     # prefix would cover the prompt and the provider would route it as "exact".
-    repeat = _generate(server.url, target)
-    final = _snapshot(server.url)
+    repeat = generate(server.url, target, 8)
+    final = semblend_totals(server.url)
     assert _outcome(final, "exact") == _outcome(after, "exact")
     assert _outcome(final, "materialized") == _outcome(after, "materialized") + 1
     assert repeat["meta_info"]["cached_tokens"] < 50
@@ -122,8 +106,8 @@ def test_legacy_server_concurrent_mixed_requests_complete_and_pools_stay_consist
     docs = [enc(essay_texts[i], add_special_tokens=False)[:600] for i in (1, 2)]
     heads = [enc(t, add_special_tokens=False) for t in INSTRUCTIONS]
     for doc in docs:  # donors
-        _generate(server.url, heads[0] + doc, max_new_tokens=2)
-    before = _snapshot(server.url)
+        generate(server.url, heads[0] + doc, 2)
+    before = semblend_totals(server.url)
     prompts = []
     for i in range(8):
         if i % 4 == 3:
@@ -131,19 +115,19 @@ def test_legacy_server_concurrent_mixed_requests_complete_and_pools_stay_consist
         else:
             prompts.append(heads[1 + i % 3] + docs[i % 2])
     with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda ids: _generate(server.url, ids, 4), prompts))
+        results = list(pool.map(lambda ids: generate(server.url, ids, 4), prompts))
     assert all(r["meta_info"]["completion_tokens"] == 4 for r in results)
-    after = _snapshot(server.url)
+    after = semblend_totals(server.url)
     assert _outcome(after, "materialized") - _outcome(before, "materialized") >= 2, after
     time.sleep(5)  # idle: the scheduler runs its pool/tree checks
     with urllib.request.urlopen(server.url + "/health_generate", timeout=300) as resp:
         assert resp.status == 200  # the scheduler still runs a forward after its idle checks
     # Exact caching still works and is exact: a repeat of a donor hits and decodes the same.
     donor = heads[0] + docs[0]
-    a = _generate(server.url, donor, max_new_tokens=6)
-    b = _generate(server.url, donor, max_new_tokens=6)
+    a = generate(server.url, donor, 6)
+    b = generate(server.url, donor, 6)
     assert b["meta_info"]["cached_tokens"] >= len(donor) - 1
     assert a["text"] == b["text"]
     assert server.alive()
     assert "memory leak" not in server.log_tail(4000)
-    assert _snapshot(server.url).get("errors", {}) == {}
+    assert semblend_totals(server.url).get("errors", {}) == {}
