@@ -90,6 +90,8 @@ class Route:
     """The request's token ids as checked int64 (``as_token_array``), for :meth:`record`."""
     keys: np.ndarray | None = None
     """Its chunks' namespace-salted keys (:func:`~semblend_sglang.chunk_keys.salted_keys`)."""
+    donor: int | None = None
+    """The handle (:meth:`DonorRouter.record`'s return) of the remembered request chosen."""
 
 
 class _Entry:
@@ -190,7 +192,8 @@ class DonorRouter:
             if float(loads[entry.rank]) > floor + self.margin:
                 overloaded = True
                 continue
-            return self._count(Route(entry.rank, Reason.DONOR, shared, chunks, tokens, keys))
+            route = Route(entry.rank, Reason.DONOR, shared, chunks, tokens, keys, handle)
+            return self._count(route)
         reason = Reason.OVERLOADED if overloaded else Reason.NO_DONOR
         return self._count(Route(None, reason, 0, chunks, tokens, keys))
 
@@ -200,13 +203,14 @@ class DonorRouter:
         token_ids: Sequence[int] | np.ndarray,
         rank: int,
         route: Route | None = None,
-    ) -> None:
+    ) -> int | None:
         """Remember that ``token_ids`` (``namespace``) went to ``rank``: advances the rank's
         token clock and makes the request a donor on that rank (requests shorter than
         ``min_span_tokens`` advance the clock only). ``route``: this request's :meth:`choose`
         result in the same namespace, whose tokens, chunks and keys are reused (it must be
         that; only its length is checked). Evicts least recently recorded entries to stay
-        within ``dispatch_index_bytes``."""
+        within ``dispatch_index_bytes``. Returns the remembered request's handle (None: not
+        remembered)."""
         if not 0 <= rank < self.n_ranks:
             raise ValueError(f"rank {rank} outside 0..{self.n_ranks - 1}")
         if route is not None and route.tokens is not None and len(token_ids) == route.tokens.size:
@@ -217,9 +221,9 @@ class DonorRouter:
         self.clock[rank] += int(tokens.size)
         config = self.config
         if not (config.enabled and config.dispatch_enabled):
-            return
+            return None
         if tokens.size < config.min_span_tokens:
-            return
+            return None
         keys = route.keys if route is not None else None
         if keys is None:
             keys = salted_keys(chunk_tokens(tokens, self.params), namespace)
@@ -227,7 +231,7 @@ class DonorRouter:
         n_bytes = ENTRY_OVERHEAD_BYTES + POSTING_BYTES * len(distinct)
         if FIXED_BYTES + n_bytes > self.max_bytes:
             self._bump("too_large")
-            return
+            return None
         while self._entries and self._bytes + n_bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
             self._bump("evicted")
@@ -247,6 +251,12 @@ class DonorRouter:
             rank, n_bytes, self.clock[rank], namespace, np.array(distinct, dtype=np.uint64)
         )
         self._bytes += n_bytes
+        return handle
+
+    def forget(self, handle: int) -> None:
+        """Drop the remembered request ``handle`` (its KV is known to be gone); no-op when it
+        was dropped already."""
+        self._drop(handle)
 
     def forget_rank(self, rank: int) -> None:
         """Drop every entry on ``rank`` (its cache was flushed or the rank went away)."""
@@ -270,6 +280,10 @@ class DonorRouter:
         for handle, entry in self._entries.items():
             total += size(handle) + size(entry) + size(entry.keys)
         return total
+
+    def __contains__(self, handle: object) -> bool:
+        """True while ``handle`` (a :meth:`record` return) is remembered."""
+        return handle in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -40,6 +40,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.dispatch_simulation",
         "Data-parallel dispatch simulated: hit rate, load imbalance, cost (no engine).",
     ),
+    "gateway": (
+        "semblend_sglang.bench.gateway",
+        "Semblend instances behind a real SMG gateway: donor-aware routing keys vs SMG's policies.",
+    ),
     "vllm": (
         "semblend_sglang.bench.vllm_served",
         "The vLLM connector on a real vLLM engine: TTFT reuse vs cold, vLLM's counters, quality.",

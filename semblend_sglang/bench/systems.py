@@ -70,22 +70,47 @@ def start_servers(
     :func:`system_environ` (``semblend_env`` on semblend systems only); wait until all are
     healthy. Returns system -> ``SglangServer``; on any failure every started server is stopped
     and the error re-raised. Logs go to ``logs/e2e-{system}-server.log``."""
+    started = _start_healthy(
+        [(system, f"e2e-{system}") for system in systems], model, extra, logs, semblend_env
+    )
+    return dict(zip(systems, started, strict=True))
+
+
+def start_servers_of(
+    system: str, count: int, model: str, extra: Sequence[str], logs: Path
+) -> list[Any]:
+    """Start ``count`` servers of one ``system`` (start-ups overlap) and wait until all are
+    healthy, as :func:`start_servers` does. Logs go to ``logs/{system}-{i}-server.log``."""
+    return _start_healthy([(system, f"{system}-{i}") for i in range(count)], model, extra, logs)
+
+
+def _start_healthy(
+    named: Sequence[tuple[str, str]],
+    model: str,
+    extra: Sequence[str],
+    logs: Path,
+    semblend_env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Start a server per (system, log name), then wait for every one to be healthy; on any
+    failure stop them all and re-raise."""
     from ..server import free_port, start_server
 
-    servers: dict[str, Any] = {}
+    servers: list[Any] = []
     try:
-        for system in systems:
-            servers[system] = start_server(
-                model,
-                port=free_port(),
-                extra_args=list(extra),
-                env=system_environ(system, extra, semblend_env),
-                log_path=logs / f"e2e-{system}-server.log",
+        for system, name in named:
+            servers.append(
+                start_server(
+                    model,
+                    port=free_port(),
+                    extra_args=list(extra),
+                    env=system_environ(system, extra, semblend_env),
+                    log_path=logs / f"{name}-server.log",
+                )
             )
-        for server in servers.values():
+        for server in servers:
             server.wait_healthy(timeout=900)
     except BaseException:
-        for server in servers.values():
+        for server in servers:
             server.stop()
         raise
     return servers

@@ -1,0 +1,120 @@
+"""Two semblend SGLang servers behind a real SMG gateway (``smg launch``, smg 1.13.0 from PyPI):
+donor-aware placement through SMG's routing key keeps the single-instance hit rate where SMG's
+round-robin loses it, and a stopped instance fails no request (docs/scale-out.md).
+
+Real servers (SmolLM2 on CPU), real SMG, real essay workloads at 512 tokens; hits are
+server-confirmed (semblend's ``materialized`` count on the instance that served the probe);
+which instance served a request is SMG's ``x-smg-routed-worker-id`` answer header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from semblend_sglang.bench.builtin_workloads import build_workload
+from semblend_sglang.bench.client import flush_cache
+from semblend_sglang.bench.gateway import (
+    GATEWAY_POLICY,
+    NAMESPACE,
+    run_placement,
+    send,
+    sending_order,
+    start_gateway,
+)
+from semblend_sglang.bench.workloads import Workload
+from semblend_sglang.routing_keys import DonorRoutingKeys
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def instances(
+    semblend_server: Any,
+    smollm2_model_dir: Path,
+    sgl_kernel_standin_log: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[Any]]:
+    """The session's semblend server and a second one like it (the fault test stops it)."""
+    from tests.harness.server import healthy_server
+
+    log = tmp_path_factory.mktemp("gateway") / "second-server.log"
+    env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(sgl_kernel_standin_log)}
+    with healthy_server(smollm2_model_dir, log, env, []) as second:
+        yield [semblend_server, second]
+
+
+@pytest.fixture(scope="module")
+def workload(smollm2_tokenizer: Any, essay_texts: list[str]) -> Workload:
+    return build_workload("cross_instruction", smollm2_tokenizer, essay_texts, 512, 4, seed=3)
+
+
+def _flush(urls: list[str]) -> None:
+    for url in urls:
+        flush_cache(url)
+
+
+def test_donor_aware_keeps_the_single_instance_hit_rate_behind_smg(
+    instances: Any, workload: Workload, tmp_path: Path
+) -> None:
+    urls = [s.url for s in instances]
+    _flush(urls)
+    single = run_placement("single_instance", urls[0], urls, workload, None)
+    assert single.probes == 4 and single.hit_rate == 1.0, single
+    results = {}
+    for placement in ("round_robin", "donor_aware"):
+        _flush(urls)
+        gateway = start_gateway(urls, GATEWAY_POLICY[placement], tmp_path / f"{placement}.log")
+        try:
+            keys = DonorRoutingKeys() if placement == "donor_aware" else None
+            results[placement] = run_placement(placement, gateway.url, urls, workload, keys)
+        finally:
+            gateway.stop()
+    donor, rr = results["donor_aware"], results["round_robin"]
+    assert donor.failed == rr.failed == 0
+    assert donor.hit_rate >= 0.9 * single.hit_rate, donor
+    where: dict[str, set[str | None]] = {}
+    for group_id, _, worker in donor.served:
+        where.setdefault(group_id, set()).add(worker)
+    assert all(len(workers) == 1 for workers in where.values()), where  # a group, one instance
+    assert sorted(donor.per_instance.values()) == [4, 4]  # new keys placed round-robin
+
+
+def test_a_stopped_instance_fails_no_request_and_its_keys_move(
+    instances: Any, workload: Workload, tmp_path: Path
+) -> None:
+    """The last test of the module: it stops instance 1. Donors go through SMG; instance 1 is
+    stopped; every probe is still answered (those keyed to instance 1 cold, on instance 0)."""
+    urls = [s.url for s in instances]
+    _flush(urls)
+    gateway = start_gateway(urls, GATEWAY_POLICY["donor_aware"], tmp_path / "fault.log")
+    try:
+        keys = DonorRoutingKeys()
+        order = [request for _, request in sending_order(workload)]
+        donors = [r for r in order if r.role == "donor"]
+        probes = [r for r in order if r.role == "probe"]
+        served = []
+        for request in donors:
+            choice = keys.choose(request.prompt_ids, NAMESPACE)
+            sent = send(gateway.url, request, urls, choice.headers)
+            assert sent.status == 200
+            keys.record(choice, request.prompt_ids, NAMESPACE, sent.worker)
+            served.append(sent.worker)
+        assert set(served) == set(urls)  # both instances hold donors
+        instances[1].stop()
+        after = []
+        for request in probes:
+            choice = keys.choose(request.prompt_ids, NAMESPACE)
+            sent = send(gateway.url, request, urls[:1], choice.headers)
+            assert sent.status == 200, f"a request failed while instance 1 was down: {sent}"
+            keys.record(choice, request.prompt_ids, NAMESPACE, sent.worker)
+            after.append((sent.worker, sent.hit))
+        assert all(worker == urls[0] for worker, _ in after), after
+        # probes whose donor was on instance 0 still reuse it; the moved keys went cold
+        assert sum(hit for _, hit in after) == served.count(urls[0])
+        assert keys.moved_keys == served.count(urls[1])
+    finally:
+        gateway.stop()
