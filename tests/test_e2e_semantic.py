@@ -244,3 +244,38 @@ def test_every_grafana_panel_reads_series_the_server_exports(server: SglangServe
         "semblend_copy_seconds_bucket",
     ):
         assert needed in seen, needed
+
+
+def _prefill_passes(server: SglangServer) -> int:
+    """Prefill forward passes the server has logged so far (one ``Prefill batch`` line each)."""
+    assert server.log_path is not None
+    return server.log_path.read_text(errors="replace").count("Prefill batch")
+
+
+def test_a_long_semantic_hit_is_one_prefill_pass_where_cold_takes_two(
+    server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
+) -> None:
+    """SGLang's default chunked prefill on CPU cuts at 4,096 tokens: a cold 7,000-token prompt
+    takes two forward passes, the same prompt as a semantic hit (another instruction over the
+    donor's document) one, since admission charges it the positions it computes; it answers
+    like the cold run."""
+    from semblend_sglang.bench.builtin_workloads import build_workload
+
+    group = build_workload("cross_instruction", smollm2_tokenizer, essay_texts, 7000, 1, 5).groups[
+        0
+    ]
+    donor, probe = group.donors[0].prompt_ids, group.probes[0].prompt_ids
+    generate(server.url, donor, 1)
+    before, passes = semblend_totals(server.url), _prefill_passes(server)
+    reused = generate(server.url, probe, 8)
+    hit_passes = _prefill_passes(server) - passes
+    after = semblend_totals(server.url)
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1, after
+    assert after["reused_tokens"] - before["reused_tokens"] >= 3000, after
+    passes = _prefill_passes(server)
+    cold = generate(server.url, probe, 8, cache_salt="long-cold")
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert (hit_passes, _prefill_passes(server) - passes) == (1, 2)
+    got, want = reused["output_ids"], cold["output_ids"]
+    agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
+    assert agree >= 4, (got, want)

@@ -388,3 +388,71 @@ def test_substituted_prompt_puts_the_donor_head_before_the_shared_span() -> None
     changed = list(donor)
     changed[5] = 99
     assert substituted_prompt(target, changed, plan) is None  # donor no longer matches
+
+
+def _prefill_steps(h: SglangCacheHarness, req: Any) -> list[int]:
+    """Step ``h`` until ``req`` has prefilled its prompt; the end of each of its prefill chunks,
+    with invariants checked after every step."""
+    ends: list[int] = []
+    for _ in range(64):
+        report = h.step()
+        check_invariants(h)
+        if any(r is req for r in report.admitted) or report.chunked is req:
+            ends.append(int(req.extend_end))
+        if ends and ends[-1] >= len(req.origin_input_ids):
+            return ends
+    raise AssertionError(f"{req.rid} did not prefill: {ends}")
+
+
+def test_a_sparse_request_is_charged_at_admission_what_it_computes(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """chunked_prefill_size 128: a semantic hit of ~500 tokens that computes fewer than 128 is
+    one prefill chunk (SGLang's PrefillAdder is charged its computed tokens, not its length),
+    while a cold request of the same length takes a chunk per 128 tokens."""
+    chunk = 128
+    config = HarnessConfig(pool_tokens=8192, chunked_prefill_size=chunk)
+    h = SglangCacheHarness(config, model_config)
+    target = semantic_pair(h, passages, instructions)
+    n = len(target.origin_input_ids)
+    assert n > 3 * chunk
+    assert _prefill_steps(h, target) == [n]  # one chunk
+    state = adapter.flow.requests[target.rid]
+    # exact prefix + computed positions: at most the chunk budget
+    assert 0 < n - state.reused_total <= chunk, (n, state)
+    assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
+    h.run_until_idle()
+    cold = h.submit(document(passages, 5, 8)[:n], max_new_tokens=2)  # shares nothing cached
+    assert len(_prefill_steps(h, cold)) == -(-n // chunk)
+    h.run_until_idle()
+    check_invariants(h, full_kv=True)
+    assert_drained(h)
+
+
+@pytest.mark.parametrize("chunk", [64, 512])
+def test_randomized_traffic_keeps_every_invariant_at_small_and_large_chunks(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+    chunk: int,
+) -> None:
+    """The randomized semantic traffic with the admission charged computed tokens: a sparse
+    request split into chunks is a valid sparse extend in each, and the publish cap holds."""
+    harness = SglangCacheHarness(
+        HarnessConfig(pool_tokens=6144, chunked_prefill_size=chunk, max_running_requests=8),
+        model_config,
+    )
+    counts = drive_random(harness, passages, instructions, 260, seed=23)
+    snap = adapter.runtime.snapshot()
+    print(f"chunk {chunk}: {harness.stats} {counts} {snap['outcomes']} {snap['declined']}")
+    assert snap["outcomes"]["materialized"] >= 20, snap
+    assert Reason.UNREPORTED not in snap["declined"], snap
+    assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
+    if chunk == 64:
+        assert counts["chunked"] >= 5, counts
+    assert not adapter.flow.requests, "request state leaked past release"
+    assert_drained(harness)

@@ -13,7 +13,9 @@ forward, since the slots are the request's own fresh ones.
 Called by :func:`.one_pass.load_batch_spans` on every prefill batch when the batch has peers,
 whether or not this rank planned anything, so that every rank calls the same collectives in the
 same order. Never called for a batch without peers (one rank, or data-parallel attention with one
-rank per attention group).
+rank per attention group). The admission of a sparse request (what SGLang's ``PrefillAdder`` is
+charged, which decides where its chunk ends) is agreed the same way (:func:`agree_min`), on every
+admission call.
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def _all_reduce(groups: Sequence[Any], tensor: torch.Tensor, op: Any) -> None:
 
     for group in groups:
         dist.all_reduce(tensor, op=op, group=group)
+
+
+def agree_min(groups: Sequence[Any], value: int) -> int:
+    """The smallest of every rank's ``value`` (an all-reduce MIN over ``groups``); every rank of
+    the groups must call it, in the same order."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor([int(value)], dtype=torch.int64)
+    _all_reduce(groups, tensor, dist.ReduceOp.MIN)
+    return int(tensor[0])
 
 
 def agree_on_copied(groups: Sequence[Any], copied: torch.Tensor, any_planned: bool) -> torch.Tensor:

@@ -194,6 +194,44 @@ class RequestFlow:
         (its outcome counted), never planned; it still donates."""
         self.runtime.provider.decline_request(rid, Reason.OPTED_OUT)
 
+    # ----------------------------------------------------------------- 1b. admission
+    def chunk_credit(self, req: Any, budget: int | None) -> int:
+        """Admission of a prefill chunk of ``req`` from its ``prefix_len`` with ``budget`` tokens
+        of compute left (SGLang's ``PrefillAdder.rem_chunk_tokens``): the reused positions the
+        longest chunk that computes at most ``budget`` positions would skip. The adder's
+        compute budgets are raised by this much while it admits ``req`` and then charged what
+        the admitted chunk computes (:meth:`chunk_reused`); its memory budget still takes
+        every position. A check-layer strategy is charged the ``recompute_ratio`` of the copied
+        positions it recomputes after its check layer (the layers up to it run every position).
+        0 without an open plan, without a chunk budget, or when input logprobs are asked for
+        (those positions are computed)."""
+        state = self.requests.get(req.rid)
+        if state is None or not state.open or budget is None or budget <= 0:
+            return 0
+        if getattr(req, "return_logprob", False):
+            return 0
+        lo = int(req.prefix_len)
+        end = len(req.full_untruncated_fill_ids)
+        share = self._kept_share()
+        hi = state.chunk_end(lo, end, int(budget), share)
+        return (hi - lo) - state.computed_within(lo, hi, share)
+
+    def chunk_reused(self, req: Any, lo: int) -> int:
+        """What :meth:`chunk_credit` credits for the chunk [lo, extend_end) the adder admitted
+        for ``req`` (0 when it has no open plan)."""
+        state = self.requests.get(req.rid)
+        hi = int(getattr(req, "extend_end", lo) or lo)
+        if state is None or not state.open or hi <= lo:
+            return 0
+        return (hi - lo) - state.computed_within(lo, hi, self._kept_share())
+
+    def _kept_share(self) -> float:
+        """The share of copied positions whose donor KV the layers after the check layer keep
+        (1 for ``heads``: its recomputed heads are never copied)."""
+        if self.runtime.check_layer_active:
+            return 1.0 - float(self.config.recompute_ratio)
+        return 1.0
+
     # ----------------------------------------------------------------- 2. pin donors and copy
     def prepare_extend(self, batch: Any) -> None:
         """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`). An

@@ -138,6 +138,29 @@ class RequestReuse:
         self.recomputed += self.heads_within(self.handled_to, handled_to)
         self.handled_to = max(self.handled_to, handled_to)
 
+    def computed_within(self, lo: int, hi: int, kept_share: float = 1.0) -> int:
+        """Positions of a prefill chunk [lo, hi) that the one-pass extend computes: all but
+        ``kept_share`` of the parts of not yet handled spans inside [lo, hi - 1) (a chunk's last
+        position is always computed; a check-layer strategy recomputes the rest of them after
+        its check layer). Non-decreasing in ``hi``."""
+        reused = sum(span.length for span, _ in self.pieces_within(lo, hi - 1))
+        return hi - lo - int(reused * kept_share)
+
+    def chunk_end(self, lo: int, end: int, budget: int, kept_share: float = 1.0) -> int:
+        """The largest ``hi`` in [lo + 1, end] whose chunk [lo, hi) computes at most ``budget``
+        positions (:meth:`computed_within`; lo + 1 when even one position is over it): where a
+        prefill chunk that charges computed positions may stop."""
+        if end <= lo + 1 or self.computed_within(lo, end, kept_share) <= budget:
+            return max(end, lo + 1)
+        low, high = lo + 1, end  # computed(low) <= budget (or nothing fits), computed(high) > it
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.computed_within(lo, mid, kept_share) <= budget:
+                low = mid
+            else:
+                high = mid
+        return low
+
     def heads_within(self, lo: int, hi: int) -> int:
         """Positions of span heads (recomputed by the ``heads`` strategy) inside [lo, hi) not
         yet handled."""

@@ -80,6 +80,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
     # ----------------------------------------------------------------- the hook table
     def hook_table(self) -> HookTable:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.schedule_policy import PrefillAdder
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.scheduler_components.internal_state import (
             SchedulerInternalStateController,
@@ -160,6 +161,33 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
             return evict
 
+        def make_admit(orig: Any) -> Any:
+            def admit(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+                rid = getattr(req, "rid", None)
+                lo = int(getattr(req, "prefix_len", 0) or 0)
+                peers = flow.guarded("admission", None, [], flow.view.peers, self.tree_cache)
+                credit = flow.guarded(
+                    "admission", rid, 0, flow.chunk_credit, req, self.rem_chunk_tokens
+                )
+                if peers:  # every rank admits alike: the credit all ranks can give
+                    credit = rank_agreement.agree_min(peers, credit)
+                if credit:
+                    self.rem_chunk_tokens += credit
+                    self.rem_input_tokens += credit
+                try:
+                    return orig(self, req, *args, **kwargs)
+                finally:
+                    if credit:
+                        taken = 0
+                        if any(r is req for r in self.can_run_list):
+                            taken = flow.guarded("admission", rid, 0, flow.chunk_reused, req, lo)
+                        if peers:
+                            taken = rank_agreement.agree_min(peers, taken)
+                        self.rem_chunk_tokens -= credit - taken
+                        self.rem_input_tokens -= credit - taken
+
+            return admit
+
         def free_values(self: Any, device_frees: Any, host_frees: Any) -> None:
             # before the original: its drain pops each component's list from the dict
             flow.guarded("evict", None, None, adapter._note_freed, self, device_frees)
@@ -192,6 +220,8 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             (tree, "evict"): make_evict(orig_evict),
             (tree, "evict_for_alloc"): make_evict(orig_evict_for_alloc),
             (tree, "_free_values"): free_values,
+            (PrefillAdder, "add_one_req"): make_admit(PrefillAdder.add_one_req),
+            (PrefillAdder, "add_chunked_req"): make_admit(PrefillAdder.add_chunked_req),
             **self.extend_wrappers(ScheduleBatch, ForwardBatch),
             **scheduler_wrappers(
                 flow,

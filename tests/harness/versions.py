@@ -53,6 +53,9 @@ class VersionPart(ABC):
     vanilla_cases: tuple[VanillaCase, ...]
     held_donors: bool
     """Whether the adapter keeps a reused request's unpublished prompt KV as held donors."""
+    computed_admission: bool
+    """Whether SGLang's PrefillAdder charges a sparse request the positions it computes (else
+    its raw length, chunk by chunk)."""
 
     def prepare_process(self) -> None:
         """Run at collection, before any sglang import (default: nothing)."""
@@ -88,6 +91,7 @@ class UnifiedPart(VersionPart):
     tree_class = "UnifiedRadixCache"
     vanilla_cases = (VanillaCase("rust", 1, 520, 90, 10), VanillaCase("python", 16, 120, 8, 10))
     held_donors = True
+    computed_admission = True
 
     def check_tree(self, h: CacheHarness, backend: str) -> None:
         expected_core = "RustUnifiedTreeCore" if backend == "rust" else "UnifiedTreeCore"
@@ -135,6 +139,7 @@ class LegacyPart(VersionPart):
     tree_class = "RadixCache"
     vanilla_cases = (VanillaCase("radix", 1, 520, 90, 10), VanillaCase("radix", 16, 120, 8, 5))
     held_donors = False
+    computed_admission = False
 
     def prepare_process(self) -> None:
         use_triton_interpreter()
