@@ -421,3 +421,29 @@ def test_file_error_text_needs_tokenizer(tmp_path: Path) -> None:
     path = _write(tmp_path, [GOOD, json.dumps({"group": "g", "prompt": "hello"})])
     with pytest.raises(WorkloadFileError, match=r":2: a text 'prompt' needs a tokenizer"):
         load_workload_file(path, None)
+
+
+LONG = (4096, wl.fitting_length(8192, 8192, 32))
+
+
+def test_a_long_prompt_stays_inside_the_model_context_with_its_answer() -> None:
+    assert LONG[1] == 8192 - wl.LENGTH_TOLERANCE - max(32, REFERENCE_TOKENS) == 8112
+    assert wl.fitting_length(1024, 8192, 32) == 1024
+    assert wl.fitting_length(8192, 8192, 200) == 8192 - wl.LENGTH_TOLERANCE - 200
+
+
+@pytest.mark.parametrize("ctx", LONG)
+def test_long_prompts_of_every_workload_repeat_no_text_and_fit_the_context(
+    tok: Any, essay_texts: list[str], ctx: int
+) -> None:
+    """At 4,096 and 8,112 tokens (the 8,192 window less the answer and the donors' slack),
+    every built-in workload builds its prompts from the essays without any 64-token run
+    occurring twice in one prompt, and no request leaves room for less than its reference."""
+    for name in BUILTIN_WORKLOADS:
+        workload = build_workload(name, tok, essay_texts, ctx, 2, seed=1)
+        for group in workload.groups:
+            for request in group.requests:
+                ids = request.prompt_ids
+                runs = [ids[i : i + 64] for i in range(0, len(ids) - 63)]
+                assert len(set(runs)) == len(runs), (name, ctx, request.label)
+                assert len(ids) + REFERENCE_TOKENS <= 8192, (name, ctx, len(ids))

@@ -356,6 +356,15 @@ _BUILDERS = {
 }
 
 
+def fitting_length(context_tokens: int, model_context: int, answer_tokens: int) -> int:
+    """The probe length for a requested ``context_tokens`` that keeps every request of every
+    built-in workload inside the model's context window ``model_context``: a donor may be
+    :data:`LENGTH_TOLERANCE` tokens longer than its probe, and each request is followed by up
+    to ``max(answer_tokens, REFERENCE_TOKENS)`` generated or teacher-forced tokens."""
+    tail = LENGTH_TOLERANCE + max(int(answer_tokens), REFERENCE_TOKENS)
+    return min(int(context_tokens), int(model_context) - tail)
+
+
 def build_workload(
     name: str,
     tokenizer: Any,

@@ -112,6 +112,18 @@ def _context_length(part: str) -> int:
     return value
 
 
+def model_context_length(model: str) -> int | None:
+    """The served model's context window (``max_position_embeddings`` of its config.json), or
+    None when the folder has no such config."""
+    import json
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    window = json.loads(config.read_text()).get("max_position_embeddings")
+    return int(window) if window else None
+
+
 def parse_lengths(text: str) -> list[int]:
     """``--lengths``: comma-separated context lengths in tokens, each at least 64. Raises
     :class:`click.BadParameter` naming the option for anything else."""
@@ -226,7 +238,8 @@ def command(
 
     from ..data import essay_texts
     from ..model_prep import prepare_model
-    from .builtin_workloads import build_workload
+    from .builtin_workloads import build_workload, fitting_length
+    from .essay_pool import REFERENCE_TOKENS
     from .workload_file import WorkloadFileError, load_workload_file
 
     started = time.monotonic()
@@ -259,9 +272,18 @@ def command(
             raise click.ClickException(str(exc)) from exc
     else:
         essays = essay_texts()
+        window = model_context_length(model)
         for n in length_list:
+            fit = n if window is None else fitting_length(n, window, GREEDY_TOKENS)
+            if fit != n:
+                click.echo(
+                    f"--lengths {n}: prompts of {fit} tokens, so that donors, the "
+                    f"{GREEDY_TOKENS}-token answers and the {REFERENCE_TOKENS}-token references "
+                    f"stay inside the model's {window}-token context",
+                    err=True,
+                )
             for name in names:
-                workloads.append(build_workload(name, tokenizer, essays, n, n_groups, seed))
+                workloads.append(build_workload(name, tokenizer, essays, fit, n_groups, seed))
 
     servers: dict[str, Any] = {}
     if not url_map:

@@ -46,29 +46,33 @@ class Corpus:
     text: np.ndarray
     donor_prefixes: tuple[np.ndarray, ...]
     query_prefix: np.ndarray
+    prompt_tokens: int = PROMPT_TOKENS
+    """Tokens of every donor and query prompt."""
 
     def donor_offset(self, handle: int) -> int:
         """Deterministic essay offset of donor ``handle`` (spread over the whole corpus)."""
-        span = self.text.size - PROMPT_TOKENS
+        span = self.text.size - self.prompt_tokens
         return (handle * 7919) % span
 
     def donor_tokens(self, handle: int) -> np.ndarray:
-        """Tokens of donor ``handle``: one of the prefixes, then essay text, 4,096 in all."""
+        """Tokens of donor ``handle``: one of the prefixes, then essay text, ``prompt_tokens`` in
+        all."""
         prefix = self.donor_prefixes[handle % len(self.donor_prefixes)]
         start = self.donor_offset(handle)
-        body = self.text[start : start + PROMPT_TOKENS - prefix.size]
+        body = self.text[start : start + self.prompt_tokens - prefix.size]
         return np.concatenate([prefix, body])
 
     def query_tokens(self, i: int) -> np.ndarray:
         """Query ``i``: the query prefix, then essay text at an offset no donor starts at."""
-        span = self.text.size - PROMPT_TOKENS
+        span = self.text.size - self.prompt_tokens
         start = (i * 104729 + 13) % span
-        body = self.text[start : start + PROMPT_TOKENS - self.query_prefix.size]
+        body = self.text[start : start + self.prompt_tokens - self.query_prefix.size]
         return np.concatenate([self.query_prefix, body])
 
 
-def load_corpus() -> Corpus:
-    """Tokenize the essays and prefixes with the prepared SmolLM2 tokenizer (offline)."""
+def load_corpus(prompt_tokens: int = PROMPT_TOKENS) -> Corpus:
+    """Tokenize the essays and prefixes with the prepared SmolLM2 tokenizer (offline); prompts
+    of ``prompt_tokens`` tokens."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from ..cpu_runtime import ensure_torchvision_importable
@@ -89,6 +93,7 @@ def load_corpus() -> Corpus:
         text=text,
         donor_prefixes=tuple(encode(p + "\n\n") for p in DONOR_PREFIXES),
         query_prefix=encode(QUERY_PREFIX + "\n\n"),
+        prompt_tokens=prompt_tokens,
     )
 
 
@@ -186,11 +191,24 @@ def _machine() -> str:
 @click.option(
     "--queries", type=int, default=QUERIES, show_default=True, help="Timed lookups per donor count."
 )
-def command(json_path: str | None, donor_counts: tuple[int, ...], queries: int) -> None:
-    """Lookup latency (p50/p99) and index bytes per donor for 4,096-token prompts of real text."""
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(256, 65536),
+    default=PROMPT_TOKENS,
+    show_default=True,
+    help="Tokens of every donor and query prompt.",
+)
+def command(
+    json_path: str | None, donor_counts: tuple[int, ...], queries: int, prompt_tokens: int
+) -> None:
+    """Lookup latency (p50/p99) and index bytes per donor for prompts of real text (4,096
+    tokens unless --prompt-tokens)."""
     counts = donor_counts or DONOR_COUNTS
-    corpus = load_corpus()
-    click.echo(f"corpus: {corpus.text.size} essay tokens; machine: {_machine()}")
+    corpus = load_corpus(prompt_tokens)
+    click.echo(
+        f"corpus: {corpus.text.size} essay tokens; prompts of {prompt_tokens} tokens; "
+        f"machine: {_machine()}"
+    )
     rows = []
     for donors in counts:
         row = run_case(corpus, donors, queries)
@@ -217,7 +235,7 @@ def command(json_path: str | None, donor_counts: tuple[int, ...], queries: int) 
         payload = {
             "bench": "provider",
             "machine": _machine(),
-            "prompt_tokens": PROMPT_TOKENS,
+            "prompt_tokens": prompt_tokens,
             "results": {str(r["donors"]): r for r in rows},
         }
         write_json(json_path, payload)
