@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.builtin_workloads import build_workload
-from semblend_sglang.bench.client import flush_cache
 from semblend_sglang.bench.gateway import (
     GATEWAY_POLICY,
     NAMESPACE,
+    flush_all,
     run_placement,
     send,
     sending_order,
@@ -52,21 +52,16 @@ def workload(smollm2_tokenizer: Any, essay_texts: list[str]) -> Workload:
     return build_workload("cross_instruction", smollm2_tokenizer, essay_texts, 512, 4, seed=3)
 
 
-def _flush(urls: list[str]) -> None:
-    for url in urls:
-        flush_cache(url)
-
-
 def test_donor_aware_keeps_the_single_instance_hit_rate_behind_smg(
     instances: Any, workload: Workload, tmp_path: Path
 ) -> None:
     urls = [s.url for s in instances]
-    _flush(urls)
+    flush_all(urls)
     single = run_placement("single_instance", urls[0], urls, workload, None)
     assert single.probes == 4 and single.hit_rate == 1.0, single
     results = {}
     for placement in ("round_robin", "donor_aware"):
-        _flush(urls)
+        flush_all(urls)
         gateway = start_gateway(urls, GATEWAY_POLICY[placement], tmp_path / f"{placement}.log")
         try:
             keys = DonorRoutingKeys() if placement == "donor_aware" else None
@@ -89,7 +84,7 @@ def test_a_stopped_instance_fails_no_request_and_its_keys_move(
     """The last test of the module: it stops instance 1. Donors go through SMG; instance 1 is
     stopped; every probe is still answered (those keyed to instance 1 cold, on instance 0)."""
     urls = [s.url for s in instances]
-    _flush(urls)
+    flush_all(urls)
     gateway = start_gateway(urls, GATEWAY_POLICY["donor_aware"], tmp_path / "fault.log")
     try:
         keys = DonorRoutingKeys()

@@ -341,8 +341,8 @@ class RequestFlow:
     def publish_limit(self, rid: str | None, up_to: int) -> int:
         """How far request ``rid`` may publish into the exact cache when sglang would publish
         ``up_to``: never past its first copied position once it reused KV."""
-        state = self.state_of(rid)
-        return min(up_to, state.publish_cap) if state is not None and state.reused_any else up_to
+        cap = self.publish_cap(rid)
+        return up_to if cap is None else min(up_to, cap)
 
     def publish_cap(self, rid: str | None) -> int | None:
         """The publish cap of ``rid`` once it reused KV, else None."""

@@ -225,9 +225,8 @@ class PlacementResult:
 
     def imbalance(self, n_instances: int) -> float:
         """Requests on the busiest instance over the mean per instance (1.0: even)."""
-        counts = [self.per_instance.get(u, 0) for u in self.per_instance] or [0]
-        total = sum(counts)
-        return max(counts) * n_instances / total if total else 0.0
+        total = sum(self.per_instance.values())
+        return max(self.per_instance.values()) * n_instances / total if total else 0.0
 
 
 def sending_order(workload: Workload, seed: int = 0) -> list[tuple[str, BenchRequest]]:
@@ -274,6 +273,14 @@ def run_placement(
     return result
 
 
+def flush_all(instances: Sequence[str]) -> None:
+    """Flush every instance's cache (nothing of an earlier placement or workload is left)."""
+    from .client import flush_cache
+
+    for url in instances:
+        flush_cache(url)
+
+
 def fleet_kv_tokens(instances: Sequence[str]) -> int | None:
     """The instances' KV pool sizes summed (``/server_info``'s ``max_total_num_tokens``), or
     None when any does not report it."""
@@ -296,13 +303,10 @@ def run_gateway_bench(
     """Every placement over every workload, against running ``instances``; the JSON report's
     ``rows`` (one per workload and placement) and ``summary`` (``<placement>_hit_rate`` per
     workload, and overall)."""
-    from .client import flush_cache
-
     rows: list[dict[str, Any]] = []
     for placement in placements:
         for workload in workloads:
-            for url in instances:
-                flush_cache(url)
+            flush_all(instances)
             gateway = None
             if placement != "single_instance":
                 log = logs / f"gateway-{placement}.log"
