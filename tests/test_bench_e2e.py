@@ -213,6 +213,12 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
         "exact_same_length",
     }
     assert "cross_instruction" in proc.stdout
+    # written group by group: the same records, in order, even had the run been cut short
+    lines = (out / "e2e.records.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records
+    # each started server's tree peaked above the fp32 weights it loaded (SmolLM2-135M: 0.5 GB)
+    assert set(report["server_peak_rss_bytes"]) == {"vanilla", "exact_spans"}
+    assert all(b > 500_000_000 for b in report["server_peak_rss_bytes"].values())
 
 
 def test_the_sglang_dispatch_system_is_exact_spans_without_donor_aware_dispatch() -> None:

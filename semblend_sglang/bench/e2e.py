@@ -13,6 +13,7 @@ semblend server's resolved settings), PNG plot.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -25,7 +26,7 @@ from .builtin_workloads import BUILTIN_WORKLOADS
 from .client import ServerClient
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, Runner, requests_per_group
 from .e2e_summary import summarize
-from .machine_load import FOREIGN_LOAD_LIMIT, LoadMeter
+from .machine_load import FOREIGN_LOAD_LIMIT, LoadMeter, tree_peak_rss_bytes
 from .plot import plot
 from .report import console_table, settings_lines, write_json
 from .report import environment as report_environment
@@ -47,7 +48,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -60,7 +61,9 @@ output position); summary rows per semblend system ``_divergent_hits``,
 ``repeat``, ``foreign_cores`` and ``loadavg``; summary rows carry TTFT ``_ms_min``/``_ms_max``,
 paired ratios ``exact_spans_over_exact`` and ``exact_spans_speedup`` (medians, with ``_min``,
 ``_max``, ``_n``), ``_miss_overhead`` as a median of paired ratios (``_min``, ``_max``),
-``noisy``, ``noisy_why`` and ``foreign_cores_max``; the report has ``noise`` (run level)."""
+``noisy``, ``noisy_why`` and ``foreign_cores_max``; the report has ``noise`` (run level). 7: the
+report has ``server_peak_rss_bytes`` (system -> the started server tree's summed ``VmHWM``; empty
+with ``--url``); every record is also appended to ``<json stem>.records.jsonl`` as it is made."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -295,18 +298,36 @@ def command(
     # Servers named by --url are not this process's children: their CPU time would read as
     # foreign load, so the load is measured only for started servers.
     meter = LoadMeter(srv.process.pid for srv in servers.values()) if servers else None
-    try:
-        for client in clients.values():  # first-request costs, not recorded
-            client.generate(workloads[0].groups[0].probes[0].prompt_ids[:64], 1)
-        with tqdm(total=total, desc="requests", unit="req") as bar:
-            runner = Runner(clients, flush=flush, progress=bar.update, repeats=repeats, meter=meter)
-            for workload in workloads:
-                for group in workload.groups:
-                    bar.set_postfix_str(f"{workload.name} {workload.context_tokens}")
-                    runner.run_group(workload, group)
-    finally:
-        for server in servers.values():
-            server.stop()
+    json_path = json_path or out_dir / "e2e.json"
+    records_path = json_path.with_suffix(".records.jsonl")
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    peak_rss: dict[str, int] = {}
+    with records_path.open("w") as records_file:
+
+        def keep(record: ProbeRecord) -> None:
+            records_file.write(json.dumps(asdict(record)) + "\n")
+            records_file.flush()
+
+        try:
+            for client in clients.values():  # first-request costs, not recorded
+                client.generate(workloads[0].groups[0].probes[0].prompt_ids[:64], 1)
+            with tqdm(total=total, desc="requests", unit="req") as bar:
+                runner = Runner(
+                    clients,
+                    flush=flush,
+                    progress=bar.update,
+                    repeats=repeats,
+                    meter=meter,
+                    sink=keep,
+                )
+                for workload in workloads:
+                    for group in workload.groups:
+                        bar.set_postfix_str(f"{workload.name} {workload.context_tokens}")
+                        runner.run_group(workload, group)
+        finally:
+            for system, server in servers.items():
+                peak_rss[system] = tree_peak_rss_bytes([server.process.pid])
+                server.stop()
     rows = summarize(runner.records, by_label=workload_file is not None, configs=runner.configs)
     for line in settings_lines(runner.configs):
         click.echo(line)
@@ -318,7 +339,8 @@ def command(
             f"{noise['foreign_cores_max']:.2f} cores (flag above {FOREIGN_LOAD_LIMIT}); "
             f"{noise['noisy_rows']} of {noise['rows']} rows noisy"
         )
-    json_path = json_path or out_dir / "e2e.json"
+    for system, peak in peak_rss.items():
+        click.echo(f"{system} server peak memory (summed VmHWM): {peak / 2**30:.2f} GiB")
     plot_path = plot_path or out_dir / "e2e.png"
     report = {
         "schema_version": SCHEMA_VERSION,
@@ -339,6 +361,7 @@ def command(
         "semblend_config": runner.configs,
         "wall_s": time.monotonic() - started,
         "noise": noise,
+        "server_peak_rss_bytes": peak_rss,
         "summary": rows,
         "records": [asdict(r) for r in runner.records],
     }

@@ -145,7 +145,8 @@ class Runner:
     (``records``) and the settings each semblend server resolved (``configs``: system ->
     the snapshot's ``config``, None from a server that reports none; vanilla is absent).
     ``repeats``: how often each probe is measured (>= 1); ``meter``: reads the foreign load
-    around every timed request (None: not recorded)."""
+    around every timed request (None: not recorded); ``sink``: called with every record once it
+    is complete, at the end of each group (the incremental records file), never twice."""
 
     def __init__(
         self,
@@ -156,6 +157,7 @@ class Runner:
         progress: Callable[[int], None] = lambda n: None,
         repeats: int = 1,
         meter: LoadMeter | None = None,
+        sink: Callable[[ProbeRecord], None] | None = None,
     ) -> None:
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, not {repeats}")
@@ -165,6 +167,7 @@ class Runner:
         self.progress = progress
         self.repeats = repeats
         self.meter = meter
+        self.sink = sink
         self.records: list[ProbeRecord] = []
         self.configs: dict[str, dict[str, Any] | None] = {}
 
@@ -230,10 +233,14 @@ class Runner:
             client = self.clients.get(system)
             if client is not None and system not in self.configs:
                 self.configs[system] = client.config()
+        first = len(self.records)
         for repeat in range(self.repeats):
             for i in range(len(group.probes)):
                 reused_len = self._semantic(workload, group, i, repeat)
                 self._vanilla(workload, group, i, repeat, reused_len)
+        if self.sink is not None:
+            for rec in self.records[first:]:
+                self.sink(rec)
 
     def _semantic(self, workload: Workload, group: RequestGroup, i: int, repeat: int) -> int | None:
         """Probe ``i`` on each semblend system; returns exact_spans' reused length (SGLang's

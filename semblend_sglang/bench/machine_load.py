@@ -100,6 +100,23 @@ def process_tree(roots: Iterable[int]) -> list[int]:
     return seen
 
 
+def tree_peak_rss_bytes(roots: Iterable[int]) -> int:
+    """The sum of each live process's peak resident set (``VmHWM``) over ``roots`` and their
+    descendants: an upper bound of the tree's peak memory (each process peaks on its own). 0 for
+    processes already gone."""
+    total = 0
+    for pid in process_tree(roots):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 class LoadMeter:
     """Reads :class:`LoadSample` s for the bench process and the server processes it names
     (``server_pids``: each server's launcher; their descendants are found at every reading).
