@@ -1,8 +1,10 @@
 """Random EXTEND batches under the sparse-extend contract, shared by the sparse-extend tests.
 
 Each request is cold (computed [0, n)), an exact hit (computed [m, n)), sparse (exact prefix m,
-then a random subset of [m, n) that holds n - 1 and misses at least one position) or a sparse
-non-final chunk (the same without n - 1). Rows are random distinct pool slots.
+then a random subset of [m, n) that holds n - 1 and misses at least one position: many short
+runs), a sparse non-final chunk (the same without n - 1) or, when asked for, ``sparse_runs``
+(three long runs after m, the last ending at n: what a plan of a few reused spans computes).
+Rows are random distinct pool slots.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def _positions(kind: str, n: int, g: torch.Generator) -> tuple[int, torch.Tensor
     m = int(torch.randint(1, n, (1,), generator=g))
     if kind == "exact":
         return m, torch.arange(m, n)
+    if kind == "sparse_runs":  # runs [m, m+w), [m+2w, m+3w), [n-w, n) around two reused gaps
+        w = max(1, (n - m) // 5)
+        pos = torch.cat([torch.arange(m, m + w), torch.arange(m + 2 * w, m + 3 * w)])
+        return m, torch.unique(torch.cat([pos, torch.arange(n - w, n)]))
     rest = torch.arange(m, n - 1)
     keep = rest[torch.rand(rest.numel(), generator=g) < 0.4]
     if kind == "sparse":

@@ -1,6 +1,7 @@
 """patches.sglang.attention: sglang 0.5.23's real TorchNativeAttnBackend.forward_extend with the
-hooks, against its own unhooked path (ordinary batches) and the dense reference (sparse ones);
-the fallbacks, install/remove, sparse_extend_supported and the CPU plugin switch."""
+hooks, against its own unhooked path (ordinary batches) and the dense reference (sparse ones,
+through the split view or the CPU query-only extend); the fallbacks, install/remove,
+sparse_extend_supported and the CPU plugin switch."""
 
 from __future__ import annotations
 
@@ -56,6 +57,28 @@ def test_sparse_batches_equal_the_reference(hooks: None, seed: int, every_extend
     torch.testing.assert_close(forward(batch), reference(batch), atol=ATOL, rtol=0)
 
 
+def test_sglangs_own_sdpa_runs_the_split_view(hooks: None, monkeypatch: pytest.MonkeyPatch):
+    """Without the query-only extend, a sparse batch reaches SGLang's SDPA loop as one sequence
+    per computed run (and an ordinary batch as its own requests)."""
+    seen: list[list[int]] = []
+    hooked = TorchNativeAttnBackend._run_sdpa_forward_extend
+
+    def spy(self: Any, *args: Any, **kw: Any) -> Any:
+        seen.append(args[6].tolist())  # seq_lens
+        return hooked(self, *args, **kw)
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "_run_sdpa_forward_extend", spy)
+    sparse = random_batch(3, n_requests=4, kinds=("sparse", "cold", "exact", "sparse_chunk"))
+    fb = forward_batch(sparse)
+    runs = attention.split_view_of(fb).sequences
+    assert runs is not None and len(runs.seq) > 4
+    torch.testing.assert_close(forward(sparse, fb=fb), reference(sparse), atol=ATOL, rtol=0)
+    assert seen == [runs.seq]
+    ordinary = random_batch(4, kinds=("cold", "exact"))
+    forward(ordinary)
+    assert seen[-1] == ordinary.seq_lens.tolist()
+
+
 def test_ordinary_batches_keep_sglangs_path_unless_every_extend(
     hooks: None, monkeypatch: pytest.MonkeyPatch
 ):
@@ -75,15 +98,16 @@ def test_ordinary_batches_keep_sglangs_path_unless_every_extend(
     assert calls == [1]
 
 
-def test_unprovable_layers_keep_sglangs_path_or_refuse(hooks: None):
-    attention.set_query_only_every_extend(True)
+@pytest.mark.parametrize("every_extend", [False, True])
+def test_unprovable_layers_keep_sglangs_path_or_refuse(hooks: None, every_extend: bool):
+    attention.set_query_only_every_extend(every_extend)
     ordinary = random_batch(2, kinds=("cold", "exact"))
     sparse = random_batch(2)
     # Sliding window: sglang's path for an ordinary batch (its own window mask), refused if sparse.
     attention.remove_attention_hooks()
     shipped = forward(ordinary, sliding_window_size=5)
     attention.install_attention_hooks(triton=False)
-    attention.set_query_only_every_extend(True)
+    attention.set_query_only_every_extend(every_extend)
     torch.testing.assert_close(forward(ordinary, sliding_window_size=5), shipped, atol=0, rtol=0)
     with pytest.raises(attention.SparseExtendUnsupported):
         forward(sparse, sliding_window_size=5)
@@ -113,17 +137,6 @@ def test_install_and_remove_restore_sglangs_methods():
     assert TorchNativeAttnBackend._run_sdpa_forward_extend is SHIPPED_RUN_SDPA
     assert "init_forward_metadata" in TritonAttnBackend.__dict__
     assert not attention.hooks_installed("torch_native")
-
-
-def test_triton_metadata_has_the_replaced_fields():
-    """The triton hook rebuilds sglang's ForwardMetadata with dataclasses.replace of these."""
-    import dataclasses
-
-    from sglang.srt.layers.attention.triton_backend import ForwardMetadata
-
-    names = {f.name for f in dataclasses.fields(ForwardMetadata)}
-    replaced = {"qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr"}
-    assert replaced | {"max_extend_len"} <= names
 
 
 def test_sparse_extend_supported():

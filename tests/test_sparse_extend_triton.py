@@ -1,42 +1,40 @@
-"""kernels.sparse_extend_triton: sglang 0.5.23's Triton ``extend_attention_fwd`` with the sparse
-metadata, under TRITON_INTERPRET=1 on CPU, against the dense reference; and the triton hooks."""
+"""sglang 0.5.23's real Triton ``extend_attention_fwd`` under TRITON_INTERPRET=1 on CPU, against
+the dense position-masked reference: with the position-mask metadata
+(kernels.sparse_extend_triton), and inside the real TritonAttnBackend (`init_forward_metadata`,
+`forward_extend`) with the hooks, which run each sparse batch as its split view or with the mask,
+whichever costs less tile work; and the hooks' refusals."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from semblend_sglang.kernels.sparse_extend import extend_attention_reference
 from semblend_sglang.kernels.sparse_extend_triton import (
     IS_CAUSAL,
     SKIP_PREFIX_CUSTOM_MASK,
     build_sparse_extend_metadata,
 )
+from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import Batch, random_batch
 from tests.triton_mode import triton_interpreted
 
 pytest.importorskip("sglang")
 pytest.importorskip("triton")
 
-ATOL = 2e-5
-BLOCK = 16  # BLOCK_M = BLOCK_N: small tiles, so a request's queries span several causal tiles
-
-
 INTERPRETED = triton_interpreted()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in test_kernel_tests_under_the_interpreter's child process"
 )
-KERNEL_TESTS = 10  # tests the child must pass: 7 marked needs_interpreter + 3 metadata tests
+KERNEL_TESTS = 26  # tests the child must pass: 22 needs_interpreter cases + 4 without the mark
+BLOCK = 16  # BLOCK_M = BLOCK_N in the kernel-level tests: queries span several causal tiles
 
 
 def test_kernel_tests_under_the_interpreter():
@@ -99,10 +97,6 @@ def _run(fwd: Callable[..., Any], batch: Batch, md: Any, **kw: Any) -> torch.Ten
     return out
 
 
-def _reference(batch: Batch) -> torch.Tensor:
-    return extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *batch.args())
-
-
 @needs_interpreter
 @pytest.mark.parametrize("seed", range(3))
 def test_kernel_with_sparse_metadata_matches_reference(
@@ -112,7 +106,7 @@ def test_kernel_with_sparse_metadata_matches_reference(
     batch = random_batch(seed, n_requests=4, max_len=32, heads=heads)
     md = build_sparse_extend_metadata(*batch.args())
     out = _run(extend_attention_fwd, batch, md, skip_prefix_custom_mask=SKIP_PREFIX_CUSTOM_MASK)
-    torch.testing.assert_close(out, _reference(batch), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
 
 
 @needs_interpreter
@@ -127,7 +121,7 @@ def test_is_causal_false_gives_the_same(extend_attention_fwd: Callable[..., Any]
     a = _run(extend_attention_fwd, batch, md, skip_prefix_custom_mask=False, is_causal=True)
     b = _run(extend_attention_fwd, batch, md, skip_prefix_custom_mask=False, is_causal=False)
     torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-    torch.testing.assert_close(a, _reference(batch), atol=ATOL, rtol=0)
+    torch.testing.assert_close(a, reference(batch), atol=ATOL, rtol=0)
 
 
 @needs_interpreter
@@ -137,7 +131,7 @@ def test_shipped_default_skips_the_prefix_mask(extend_attention_fwd: Callable[..
     batch = random_batch(6, n_requests=1, max_len=32, heads=(1, 1), kinds=("sparse",))
     md = build_sparse_extend_metadata(*batch.args())
     out = _run(extend_attention_fwd, batch, md)  # default skip_prefix_custom_mask=True
-    assert (out - _reference(batch)).abs().max() > 1e-3
+    assert (out - reference(batch)).abs().max() > 1e-3
 
 
 def test_metadata_layout():
@@ -184,115 +178,131 @@ def test_metadata_rejects_bad_batches():
         build_sparse_extend_metadata(*one, torch.tensor([3, 5]), torch.tensor([1]))
 
 
-# ------------------------------------------------------------------- the TritonAttnBackend hooks
-@dataclasses.dataclass
-class Metadata:
-    """The fields of sglang's triton ForwardMetadata that the hook replaces (the real class has
-    them: tests/test_attention_hooks.py checks; importing it here would cost seconds)."""
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    max_extend_len: int
-    custom_mask: torch.Tensor | None = None
-    mask_indptr: torch.Tensor | None = None
-
-
 @pytest.fixture
-def triton_stub(extend_attention_fwd: Callable[..., Any]) -> Any:
-    """A stand-in class with TritonAttnBackend's three hooked methods, whose metadata is what
-    sglang builds for an extend (prefix = row[0:m], no mask) and whose kernel is the
-    interpreted extend_attention_fwd; wrapped by the module's real wrapper factory."""
+def hooks() -> Any:
+    from semblend_sglang.cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
     from semblend_sglang.patches.sglang import attention
 
-    class Stub:
-        def init_forward_metadata(self, fb: Any) -> None:
-            m = fb.extend_prefix_lens
-            rows = fb.req_pool_indices
-            kv = [self.req_to_token[r, : int(p)] for r, p in zip(rows, m, strict=True)]
-            self.forward_metadata = Metadata(
-                qo_indptr=torch.cat([torch.zeros(1), fb.extend_seq_lens.cumsum(0)]).long(),
-                kv_indptr=torch.cat([torch.zeros(1), m.cumsum(0)]).int(),
-                kv_indices=torch.cat(kv).long(),
-                max_extend_len=int(fb.extend_seq_lens.max()),
-            )
-
-        def init_forward_metadata_out_graph(self, fb: Any, in_capture: bool = False) -> None:
-            raise AssertionError("not reached in these tests")
-
-        def _forward_extend_kernel(self, layer: Any, *args: Any, **kw: Any) -> Any:
-            return extend_attention_fwd(*args, **kw)
-
-        def forward_extend(self, batch: Batch) -> torch.Tensor:  # sglang's call, abridged
-            md = self.forward_metadata
-            out = torch.full_like(batch.q, float("nan"))
-            self._forward_extend_kernel(
-                None,
-                batch.q,
-                batch.k,
-                batch.v,
-                out,
-                batch.k_cache,
-                batch.v_cache,
-                md.qo_indptr,
-                md.kv_indptr,
-                md.kv_indices,
-                md.custom_mask,
-                True,
-                md.mask_indptr,
-                md.max_extend_len,
-                1.0,
-                1.0,
-            )
-            return out
-
-    for (owner, name), fn in attention._triton_wrappers(Stub).items():
-        setattr(owner, name, fn)
-    stub = Stub()
-    stub.dcp_size, stub.page_size, stub.sliding_window_size = 1, 1, None
-    return stub
+    attention.install_attention_hooks(triton=True)
+    yield attention
+    attention.remove_attention_hooks()
 
 
-def _forward_batch(batch: Batch) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+@needs_interpreter
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ["sparse_runs", "sparse"])
+def test_real_triton_backend_matches_reference_on_either_path(hooks: Any, seed: int, kind: str):
+    """Mixed batches (cold, exact hit, sparse non-final chunk, and sparse requests of a few long
+    runs or of many short ones): the backend's own metadata and kernel over the split view (few
+    runs) or with the position mask (many runs) equal the dense reference."""
+    from tests.harness import triton_backend
 
-    return SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND,
-        extend_prefix_lens=batch.extend_prefix_lens,
-        extend_prefix_lens_cpu=batch.extend_prefix_lens.tolist(),
-        extend_seq_lens=batch.extend_seq_lens,
-        extend_seq_lens_cpu=batch.extend_seq_lens.tolist(),
-        seq_lens=batch.seq_lens,
-        seq_lens_cpu=batch.seq_lens,
-        req_pool_indices=batch.req_pool_indices,
-        positions=batch.positions,
-        encoder_lens=None,
+    heads = [(2, 1), (2, 2), (4, 1), (6, 2)][seed]
+    kinds = (kind, "cold", "exact", "sparse_chunk", kind)
+    batch = random_batch(seed, n_requests=5, min_len=12, max_len=64, heads=heads, kinds=kinds)
+    triton = triton_backend.backend(batch)
+    out = triton_backend.forward(batch, triton=triton)
+    torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
+    split = hooks.split_is_cheaper(
+        forward_batch(batch), hooks.split_view_of(forward_batch(batch)).sequences
     )
+    assert (triton.forward_metadata.custom_mask is None) is split
+
+
+def test_few_long_runs_split_and_many_short_runs_mask():
+    """The tile-work choice: three long runs per request cost less split; a position every other
+    token costs less masked (each run would read its whole prefix again)."""
+    from semblend_sglang.patches.sglang.split_view import split_is_cheaper, split_sequences
+
+    few = forward_batch(
+        random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse_runs",) * 3)
+    )
+    assert split_is_cheaper(few, split_sequences(few))
+    many = forward_batch(
+        random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse",) * 3)
+    )
+    assert not split_is_cheaper(many, split_sequences(many))
 
 
 @needs_interpreter
-def test_hook_declines_ordinary_batches_and_masks_sparse_ones(triton_stub: Any):
-    ordinary = random_batch(7, n_requests=2, max_len=32, heads=(2, 1), kinds=("exact", "cold"))
-    triton_stub.req_to_token = ordinary.req_to_token
-    triton_stub.init_forward_metadata(_forward_batch(ordinary))
-    assert triton_stub.forward_metadata.custom_mask is None  # sglang's metadata untouched
-    out = triton_stub.forward_extend(ordinary)
-    torch.testing.assert_close(out, _reference(ordinary), atol=ATOL, rtol=0)
+def test_more_runs_than_the_request_pool_has_rows(hooks: Any):
+    """SGLang sizes the per-sequence buffers by the request pool; a split view may hold more
+    sequences. The hook lends larger buffers for the call and puts the originals back."""
+    from tests.harness import triton_backend
 
-    sparse = random_batch(8, n_requests=3, max_len=32, heads=(2, 1))
-    triton_stub.req_to_token = sparse.req_to_token
-    triton_stub.init_forward_metadata(_forward_batch(sparse))
-    assert triton_stub.forward_metadata.custom_mask is not None
-    out = triton_stub.forward_extend(sparse)
-    torch.testing.assert_close(out, _reference(sparse), atol=ATOL, rtol=0)
+    batch = random_batch(
+        14, n_requests=3, min_len=260, max_len=320, heads=(2, 1), kinds=("sparse_runs",) * 3
+    )
+    fb = forward_batch(batch)
+    seqs = hooks.split_view_of(fb).sequences
+    assert seqs is not None and len(seqs.seq) > 4  # more runs than max_bs below
+    assert hooks.split_is_cheaper(fb, seqs)
+    triton = triton_backend.backend(batch, max_bs=4)
+    buffers = (triton.kv_indptr, triton.qo_indptr, triton.mask_indptr)
+    out = triton_backend.forward(batch, triton=triton, fb=fb)
+    torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
+    assert triton.forward_metadata.custom_mask is None  # the split view ran
+    assert (triton.kv_indptr, triton.qo_indptr, triton.mask_indptr) == buffers
 
 
 @needs_interpreter
-def test_hook_refuses_an_unsupported_configuration(triton_stub: Any):
-    from semblend_sglang.patches.sglang.attention import SparseExtendUnsupported
+def test_ordinary_batches_keep_sglangs_metadata(hooks: Any):
+    """No sparse request: the hooked backend builds exactly SGLang's metadata and output."""
+    from tests.harness import triton_backend
 
-    sparse = random_batch(9, n_requests=1, max_len=30, kinds=("sparse",))
-    triton_stub.req_to_token = sparse.req_to_token
-    triton_stub.dcp_size = 2
-    with pytest.raises(SparseExtendUnsupported):
-        triton_stub.init_forward_metadata(_forward_batch(sparse))
+    ordinary = random_batch(7, n_requests=3, max_len=32, heads=(2, 1), kinds=("exact", "cold"))
+    hooked = triton_backend.backend(ordinary)
+    out = triton_backend.forward(ordinary, triton=hooked)
+    hooks.remove_attention_hooks()
+    shipped = triton_backend.backend(ordinary)
+    expected = triton_backend.forward(ordinary, triton=shipped)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    for name in ("qo_indptr", "kv_indptr", "kv_indices"):
+        a = getattr(hooked.forward_metadata, name)
+        assert torch.equal(a, getattr(shipped.forward_metadata, name)), name
+    torch.testing.assert_close(out, reference(ordinary), atol=ATOL, rtol=0)
+
+
+@needs_interpreter
+def test_without_the_hooks_a_sparse_batch_is_wrong(hooks: Any):
+    """SGLang alone reads a sparse request's prefix as [0, m) and its extend as contiguous: the
+    output differs from the reference, so the test above can fail."""
+    from tests.harness import triton_backend
+
+    hooks.remove_attention_hooks()
+    sparse = random_batch(6, n_requests=1, max_len=32, heads=(1, 1), kinds=("sparse",))
+    out = triton_backend.forward(sparse)
+    assert (out - reference(sparse)).abs().max() > 1e-3
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "what", ["dcp", "page_size", "encoder_only", "sliding_window", "no_positions", "graph"]
+)
+def test_hooks_refuse_what_the_split_view_cannot_carry(hooks: Any, what: str):
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from tests.harness import triton_backend
+
+    sparse = random_batch(9, n_requests=2, max_len=30, kinds=("sparse", "cold"))
+    triton = triton_backend.backend(sparse)
+    layer_kw: dict[str, Any] = {}
+    fb = forward_batch(sparse)
+    if what == "dcp":
+        triton.dcp_size = 2
+    elif what == "page_size":
+        triton.page_size = 16
+    elif what == "encoder_only":
+        layer_kw["attn_type"] = AttentionType.ENCODER_ONLY
+    elif what == "sliding_window":
+        layer_kw["sliding_window_size"] = 8
+    elif what == "no_positions":
+        fb = forward_batch(sparse, positions=None)
+    if what == "graph":
+        with pytest.raises(hooks.SparseExtendUnsupported):
+            triton.init_forward_metadata_out_graph(fb)
+        return
+    with pytest.raises(hooks.SparseExtendUnsupported):
+        triton_backend.forward(sparse, triton=triton, fb=fb, **layer_kw)

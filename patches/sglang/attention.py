@@ -6,14 +6,20 @@ seq_len``: its row ``req_to_token[row, 0:n]`` holds every position in order, its
 tokens sit at ``forward_batch.positions`` (ascending), and a query at position ``p`` must see
 every key at position ``<= p`` (contract: :mod:`semblend_sglang.kernels.sparse_extend`).
 
-- torch_native: ``_run_sdpa_forward_extend`` runs :func:`extend_attention_query_only`. An
-  ordinary request's query positions are taken as ``[m, n)`` from ``extend_prefix_lens``, as
-  SGLang does, so an ordinary batch keeps SGLang's semantics exactly; only a sparse request's come
-  from ``forward_batch.positions``. With ``every_extend`` off (the default) only batches holding
-  a sparse request take this path; :func:`install_cpu_query_only_extend` turns it on.
-- triton: ``init_forward_metadata`` replaces the extend metadata of a batch holding a sparse
-  request with :func:`build_sparse_extend_metadata`'s, and ``_forward_extend_kernel`` then passes
-  ``skip_prefix_custom_mask=False``. Batches without a sparse request are untouched.
+One mechanism serves every backend: the backend's own ``init_forward_metadata`` and
+``forward_extend`` are given the batch's split view (:mod:`.split_view`: each computed run of a
+sparse request as its own extend sequence). Batches without a sparse request are untouched.
+
+- torch_native: ``forward_extend`` runs SGLang's SDPA extend over the split view; it writes the
+  pass's KV first, so later runs read earlier runs' KV as prefix. With the CPU runtime's
+  query-only extend on (:func:`install_cpu_query_only_extend`), every extend batch instead runs
+  :func:`extend_attention_query_only` on the real batch, which masks by position itself.
+- triton: ``init_forward_metadata`` and ``forward_extend`` get the split view (the kernel saves
+  the pass's KV before it reads the prefix) when it costs no more tile work than one
+  position-masked pass per request (:func:`.split_view.split_is_cheaper`); otherwise SGLang's
+  metadata for the real batch is replaced by :func:`build_sparse_extend_metadata`'s and the
+  kernel runs with ``skip_prefix_custom_mask=False``. Many short runs make the split view slow
+  (each run reads its whole prefix again): measured on an H200, docs/perf.md.
 
 SGLang's own path is kept for what this cannot match (cross or encoder-only attention, sliding
 window, encoder lens, no 1-D ``positions``, speculative modes); a sparse batch that reaches such a
@@ -23,12 +29,13 @@ beforehand with :func:`sparse_extend_supported`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +48,7 @@ from semblend_sglang.kernels.sparse_extend_triton import (
 )
 from semblend_sglang.plan import Reason
 
+from .split_view import batch_lens, is_sparse_batch, split_is_cheaper, split_view_of
 from .wrapping import Originals, install_wrappers, restore
 
 logger = logging.getLogger(__name__)
@@ -52,6 +60,37 @@ SPARSE_EXTEND_BACKENDS = frozenset({"torch_native", "triton"})
 """``--attention-backend`` names whose backend class these hooks serve (see
 :func:`sparse_extend_supported` for the per-instance conditions)."""
 
+UNSERVED_BACKENDS: dict[str, str] = {
+    "fa3": "its metadata and flash_attn_with_kvcache call are not yet tested with the split view",
+    "flashinfer": "its ragged prefill reads the prefix before this pass's KV is saved; the "
+    "paged-only path for split batches is not built yet",
+    "trtllm_mha": "its page-table metadata is not yet tested with the split view",
+    "aiter": "its several prefill paths are not yet read for the split view",
+    "fa4": "not yet tested with the split view",
+    "flashmla": "MLA: its compressed KV cache is not copied",
+    "cutlass_mla": "MLA: its compressed KV cache is not copied",
+    "trtllm_mla": "MLA: its compressed KV cache is not copied",
+    "flashinfer_mla": "MLA: its compressed KV cache is not copied",
+    "intel_amx": "a CPU kernel without a position-masked or split-view extend",
+}
+"""Why each backend SGLang can resolve to declines, by name (docs/sglang.md's table)."""
+
+
+def backend_reuse_reason(backend: str, page_size: int) -> str | None:
+    """Why a sparse extend cannot run on prefill backend ``backend`` at ``page_size``, or None
+    when it can (torch_native at any page size; triton at page size 1). Read by the doctor and
+    by :func:`attention_supported`; the per-instance conditions are
+    :func:`sparse_extend_supported`'s."""
+    if backend == "torch_native":
+        return None
+    if backend == "triton":
+        if page_size == 1:
+            return None
+        return f"triton at --page-size {page_size}: the split view is tested at page size 1 only"
+    why = UNSERVED_BACKENDS.get(backend, "not a backend the split view is tested on")
+    return f"attention backend {backend}: {why}"
+
+
 _lock = threading.Lock()
 _originals: dict[str, Originals] = {}
 _every_extend = False
@@ -62,42 +101,38 @@ class SparseExtendUnsupported(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ batches
-def _cpu_list(values: Any, tensor: Any) -> list[int] | None:
-    if values is not None:
-        return [int(x) for x in values]
-    if tensor is not None:
-        return [int(x) for x in tensor.tolist()]
-    return None
-
-
-def _lens(forward_batch: Any) -> tuple[list[int], list[int], list[int]] | None:
-    prefix = _cpu_list(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
-    extend = _cpu_list(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
-    seq = _cpu_list(None, forward_batch.seq_lens_cpu)
-    if seq is None and forward_batch.seq_lens is not None:
-        seq = [int(x) for x in forward_batch.seq_lens.tolist()]
-    if prefix is None or extend is None or seq is None:
-        return None
-    return prefix, extend, seq
-
-
-def is_sparse_batch(forward_batch: Any) -> bool:
-    """True when an extend batch holds a request with ``prefix_len + extend_len != seq_len``.
-
-    Reads ``extend_prefix_lens(_cpu)``, ``extend_seq_lens(_cpu)`` and ``seq_lens(_cpu)``; False
-    for any batch without them (decode, idle).
-    """
-    if not forward_batch.forward_mode.is_extend():
-        return False
-    lens = _lens(forward_batch)
-    if lens is None:
-        return False
-    return any(m + c != n for m, c, n in zip(*lens, strict=True))
-
-
 def _is_plain_extend(forward_batch: Any) -> bool:
     mode = forward_batch.forward_mode
     return bool(mode.is_extend()) and (mode.name in ("EXTEND", "MIXED"))
+
+
+def split_batch(backend: str, forward_batch: Any) -> Any | None:
+    """The split view's batch of ``forward_batch`` when it holds a sparse request, else None.
+
+    Raises :class:`SparseExtendUnsupported` (naming ``backend``) for a sparse batch that is not
+    a plain EXTEND/MIXED batch, has encoder lens, or lacks usable positions.
+    """
+    if not is_sparse_batch(forward_batch):
+        return None
+    encoder = getattr(forward_batch, "encoder_lens", None)
+    if not _is_plain_extend(forward_batch) or encoder is not None:
+        raise SparseExtendUnsupported(
+            f"{backend}: sparse extend in a {forward_batch.forward_mode.name} batch"
+        )
+    try:
+        return split_view_of(forward_batch).batch
+    except ValueError as exc:
+        raise SparseExtendUnsupported(f"{backend}: {exc}") from exc
+
+
+def _check_causal_layer(backend: str, layer: Any) -> None:
+    """Raise unless ``layer`` is causal self-attention (a split run sees only its prefix)."""
+    kind = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
+    if getattr(layer, "is_cross_attention", False) or kind != "DECODER":
+        raise SparseExtendUnsupported(f"{backend}: sparse extend on a {kind} layer")
+    window = getattr(layer, "sliding_window_size", None)
+    if window is not None and window > -1:
+        raise SparseExtendUnsupported(f"{backend}: sparse extend on a sliding-window layer")
 
 
 def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
@@ -110,7 +145,7 @@ def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
     """
     if not _is_plain_extend(forward_batch) or forward_batch.encoder_lens is not None:
         return None
-    lens = _lens(forward_batch)
+    lens = batch_lens(forward_batch)
     if lens is None:
         return None
     prefix, extend, seq = lens
@@ -136,7 +171,7 @@ def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
 def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
     """query_positions, computed once per forward batch (forward_extend runs once per layer):
     reused while the batch object, its ``positions`` tensor and its lengths are the same."""
-    key = (id(forward_batch.positions), _lens(forward_batch))
+    key = (id(forward_batch.positions), batch_lens(forward_batch))
     cached = getattr(backend, "_semblend_qpos", None)
     if cached is not None and cached[0]() is forward_batch and cached[1] == key:
         return cached[2]
@@ -155,16 +190,20 @@ def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
     def forward_extend_hook(
         self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
     ) -> Any:
-        sparse = is_sparse_batch(forward_batch)
-        info = _cached_positions(self, forward_batch) if sparse or _every_extend else None
-        use = info is not None
-        if not use and sparse:
-            raise SparseExtendUnsupported("torch_native: sparse extend without query positions")
-        self._semblend_active = (info[0], sparse) if use else None
-        try:
+        if _every_extend:  # the CPU runtime: query-only on the real batch, masked by position
+            info = _cached_positions(self, forward_batch)
+            if info is None and is_sparse_batch(forward_batch):
+                raise SparseExtendUnsupported("torch_native: sparse extend without positions")
+            self._semblend_active = info
+            try:
+                return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+            finally:
+                self._semblend_active = None
+        view = split_batch("torch_native", forward_batch)
+        if view is None:
             return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        finally:
-            self._semblend_active = None
+        _check_causal_layer("torch_native", layer)
+        return forward_extend(self, q, k, v, layer, view, *args, **kw)
 
     def run_sdpa_hook(
         self: Any,
@@ -245,45 +284,81 @@ def _triton_supported(backend: Any) -> bool:
         and not getattr(backend, "enable_deterministic", False)
         and getattr(backend, "dllm_attention", None) is None
         and not getattr(backend, "use_mla", False)
-        and getattr(backend, "page_size", 1) == 1
+        and backend_reuse_reason("triton", int(getattr(backend, "page_size", 1))) is None
         and (swa is None or swa <= 0)
         and not getattr(backend, "use_sliding_window_kv_pool", False)
     )
 
 
+@contextlib.contextmanager
+def scratch_room(backend: Any, names: tuple[str, ...], length: int) -> Iterator[None]:
+    """Within the block, each of ``backend``'s 1-D scratch buffers ``names`` shorter than
+    ``length`` is a zeroed buffer of ``length`` (same dtype and device); the originals are put
+    back after. A split view may hold more sequences than SGLang sized these buffers for (its
+    request pool); the metadata built inside keeps slices of the larger ones, and CUDA-graph
+    replay, which captured the originals, never sees them."""
+    saved: dict[str, Any] = {}
+    for name in names:
+        buf = getattr(backend, name, None)
+        if isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.shape[0] < length:
+            saved[name] = buf
+            setattr(backend, name, torch.zeros(length, dtype=buf.dtype, device=buf.device))
+    try:
+        yield
+    finally:
+        for name, buf in saved.items():
+            setattr(backend, name, buf)
+
+
+TRITON_SCRATCH = ("kv_indptr", "qo_indptr", "mask_indptr")
+"""TritonAttnBackend's per-sequence buffers sized by the request pool (``max_bs + 1``)."""
+
+
+def _mask_metadata(backend: Any, forward_batch: Any) -> None:
+    """Replace the extend metadata SGLang just built for the real batch with the position-mask
+    metadata (:func:`build_sparse_extend_metadata`) and mark it as the mask path's."""
+    info = query_positions(forward_batch)
+    if info is None:
+        raise SparseExtendUnsupported("triton: sparse extend without query positions")
+    md = build_sparse_extend_metadata(
+        backend.req_to_token,
+        forward_batch.req_pool_indices,
+        forward_batch.seq_lens,
+        forward_batch.extend_seq_lens,
+        info[0],
+    )
+    meta = backend.forward_metadata
+    backend.forward_metadata = dataclasses.replace(
+        meta,
+        qo_indptr=md.qo_indptr.to(meta.qo_indptr.dtype),
+        kv_indptr=md.kv_indptr.to(meta.kv_indptr.dtype),
+        kv_indices=md.kv_indices,
+        custom_mask=md.custom_mask,
+        mask_indptr=md.mask_indptr,
+        max_extend_len=md.max_extend_len,
+    )
+    backend._semblend_metadata = backend.forward_metadata
+
+
 def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
     init_metadata = triton_cls.init_forward_metadata
     init_out_graph = triton_cls.init_forward_metadata_out_graph
+    forward_extend = triton_cls.forward_extend
     run_kernel = triton_cls._forward_extend_kernel
 
     def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
         self._semblend_metadata = None
+        view = split_batch("triton", forward_batch)
+        if view is None:
+            return init_metadata(self, forward_batch)
+        if not _triton_supported(self):
+            raise SparseExtendUnsupported("triton: this backend configuration cannot split")
+        seqs = split_view_of(forward_batch).sequences
+        if seqs is not None and split_is_cheaper(forward_batch, seqs):
+            with scratch_room(self, TRITON_SCRATCH, view.batch_size + 1):
+                return init_metadata(self, view)
         result = init_metadata(self, forward_batch)
-        if not is_sparse_batch(forward_batch):
-            return result
-        if not (_is_plain_extend(forward_batch) and _triton_supported(self)):
-            raise SparseExtendUnsupported("triton: this backend configuration cannot mask")
-        info = query_positions(forward_batch)
-        if info is None:
-            raise SparseExtendUnsupported("triton: sparse extend without query positions")
-        md = build_sparse_extend_metadata(
-            self.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            forward_batch.extend_seq_lens,
-            info[0],
-        )
-        meta = self.forward_metadata
-        self.forward_metadata = dataclasses.replace(
-            meta,
-            qo_indptr=md.qo_indptr.to(meta.qo_indptr.dtype),
-            kv_indptr=md.kv_indptr.to(meta.kv_indptr.dtype),
-            kv_indices=md.kv_indices,
-            custom_mask=md.custom_mask,
-            mask_indptr=md.mask_indptr,
-            max_extend_len=md.max_extend_len,
-        )
-        self._semblend_metadata = self.forward_metadata
+        _mask_metadata(self, forward_batch)
         return result
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
@@ -291,18 +366,29 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
             raise SparseExtendUnsupported("triton: sparse extend under a CUDA graph")
         return init_out_graph(self, forward_batch, *args, **kw)
 
-    def forward_extend_kernel_hook(self: Any, layer: Any, *args: Any, **kw: Any) -> Any:
+    def masked(self: Any) -> bool:
         meta = getattr(self, "_semblend_metadata", None)
-        if meta is not None and meta is self.forward_metadata:
-            # args[10] is is_causal: a bidirectional layer has no position mask.
-            if not args[10]:
-                raise SparseExtendUnsupported("triton: sparse extend on a non-causal layer")
+        return meta is not None and meta is self.forward_metadata
+
+    def forward_extend_hook(
+        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        view = split_batch("triton", forward_batch)
+        if view is None:
+            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+        _check_causal_layer("triton", layer)
+        batch = forward_batch if masked(self) else view
+        return forward_extend(self, q, k, v, layer, batch, *args, **kw)
+
+    def forward_extend_kernel_hook(self: Any, layer: Any, *args: Any, **kw: Any) -> Any:
+        if masked(self):
             kw["skip_prefix_custom_mask"] = SKIP_PREFIX_CUSTOM_MASK
         return run_kernel(self, layer, *args, **kw)
 
     return {
         (triton_cls, "init_forward_metadata"): init_forward_metadata_hook,
         (triton_cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
+        (triton_cls, "forward_extend"): forward_extend_hook,
         (triton_cls, "_forward_extend_kernel"): forward_extend_kernel_hook,
     }
 
@@ -345,8 +431,9 @@ def remove_attention_hooks() -> None:
 
 
 def set_query_only_every_extend(on: bool) -> None:
-    """torch_native: run the query-only extend for every extend batch (True) or only for batches
-    holding a sparse request (False). Takes effect for the next batch; hooks must be installed."""
+    """torch_native: run the query-only extend for every extend batch (True), or SGLang's own
+    extend with batches holding a sparse request split (False). Takes effect for the next batch;
+    hooks must be installed."""
     global _every_extend
     _every_extend = bool(on)
 
@@ -421,14 +508,14 @@ def attention_supported() -> bool:
         prefill, _ = attention_backends()
     except Exception:
         return True
-    if prefill is None or str(prefill) in SPARSE_EXTEND_BACKENDS:
+    reason = None if prefill is None else backend_reuse_reason(str(prefill), 1)
+    if reason is None:
         return True
     if not _unsupported_logged:
         _unsupported_logged = True
         logger.warning(
-            "semblend: prefill attention backend %s cannot run a sparse extend (supported: %s); "
-            "every plan is declined as %s",
-            prefill,
+            "semblend: %s (served: %s); every plan is declined as %s",
+            reason,
             ", ".join(sorted(SPARSE_EXTEND_BACKENDS)),
             Reason.UNSUPPORTED_CACHE,
         )

@@ -3,14 +3,14 @@
 
 `forward` builds the backend without a model runner (the pool, rows and layer fields
 `forward_extend` reads) and runs it with whatever attention hooks are installed;
-`forward_batch` is the ForwardBatch stand-in; `reference` is `extend_attention_reference` with an
-explicit position mask. Works on every sglang version semblend serves (0.5.23 in `make test`,
-0.5.15 in `make test-legacy`); sglang is imported when called.
+`forward_batch` is the batch as sglang's real ForwardBatch; `reference` is
+`extend_attention_reference` with an explicit position mask. Works on every sglang version
+semblend serves (0.5.23 in `make test`, 0.5.15 in `make test-legacy`); sglang is imported when
+called.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,23 +21,6 @@ from tests.sparse_extend_batches import Batch
 
 ATOL = 2e-5
 """Tolerance of a float32 backend output against the float64 reference."""
-
-
-@dataclass
-class FB:
-    """The ForwardBatch fields torch_native's extend and the hooks read."""
-
-    forward_mode: Any
-    extend_prefix_lens: torch.Tensor
-    extend_prefix_lens_cpu: list[int]
-    extend_seq_lens: torch.Tensor
-    extend_seq_lens_cpu: list[int]
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    req_pool_indices: torch.Tensor
-    positions: torch.Tensor | None
-    out_cache_loc: torch.Tensor
-    encoder_lens: torch.Tensor | None = None
 
 
 class Pool:
@@ -92,26 +75,33 @@ def layer(batch: Batch, **kw: Any) -> SimpleNamespace:
     return SimpleNamespace(**{**fields, **kw})
 
 
-def forward_batch(batch: Batch, **kw: Any) -> FB:
-    """The batch as an EXTEND ForwardBatch (`kw` overrides fields)."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+def forward_batch(batch: Batch, **kw: Any) -> Any:
+    """The batch as sglang's real EXTEND ``ForwardBatch`` (`kw` overrides fields)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
+    extend = batch.extend_seq_lens
+    starts = torch.cumsum(extend, 0) - extend
     fields = {
         "forward_mode": ForwardMode.EXTEND,
-        "extend_prefix_lens": batch.extend_prefix_lens,
-        "extend_prefix_lens_cpu": batch.extend_prefix_lens.tolist(),
-        "extend_seq_lens": batch.extend_seq_lens,
-        "extend_seq_lens_cpu": batch.extend_seq_lens.tolist(),
+        "batch_size": int(batch.seq_lens.numel()),
+        "input_ids": torch.zeros(batch.positions.numel(), dtype=torch.int64),
+        "req_pool_indices": batch.req_pool_indices,
         "seq_lens": batch.seq_lens,
         "seq_lens_cpu": batch.seq_lens,
-        "req_pool_indices": batch.req_pool_indices,
-        "positions": batch.positions,
+        "seq_lens_sum": int(batch.seq_lens.sum()),
         "out_cache_loc": batch.out_cache_loc,
+        "extend_prefix_lens": batch.extend_prefix_lens,
+        "extend_prefix_lens_cpu": batch.extend_prefix_lens.tolist(),
+        "extend_seq_lens": extend,
+        "extend_seq_lens_cpu": extend.tolist(),
+        "extend_start_loc": starts,
+        "extend_num_tokens": int(extend.sum()),
+        "positions": batch.positions,
     }
-    return FB(**{**fields, **kw})
+    return ForwardBatch(**{**fields, **kw})
 
 
-def forward(batch: Batch, *, fb: FB | None = None, **layer_kw: Any) -> torch.Tensor:
+def forward(batch: Batch, *, fb: Any = None, **layer_kw: Any) -> torch.Tensor:
     """`forward_extend` of the batch's queries ([T, Hq, D]), with the installed hooks."""
     native = backend(batch)
     q = batch.q.reshape(batch.q.shape[0], -1)

@@ -1,0 +1,211 @@
+"""The split view: a batch holding a sparse request, as an attention backend's own metadata and
+kernel expect an ordinary extend batch.
+
+A sparse request (``extend_prefix_len + extend_seq_len != seq_len``) computes the positions in
+``forward_batch.positions`` (ascending); every other position below its last computed one holds
+reused KV already in the pool. Its computed positions form maximal runs ``[s_1, e_1), [s_2, e_2),
+...``. A query at position ``p`` in run ``j`` must see every key at position ``<= p``: exactly
+what every backend computes for an ordinary request with prefix ``s_j`` and extend ``e_j - s_j``.
+So the view lists each run as its own extend sequence (the request's ``req_to_token`` row, prefix
+``s_j``, extend ``e_j - s_j``, sequence length ``e_j``); ordinary requests appear once, unchanged.
+Tokens stay in order, so ``positions``, ``out_cache_loc`` and the q/k/v rows are unchanged.
+
+Only attention metadata and the attention call see the view; logits, sampling, the scheduler and
+the cache keep the real :class:`ForwardBatch`. The view is valid only where the backend writes
+this pass's KV before it reads a run's prefix (runs after the first read earlier runs' computed
+KV as prefix): callers check that per backend (``attention.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TILE = 64
+"""Query and key tile edge of :func:`tile_work` (SGLang's Triton extend kernel tiles 64 or 128
+queries by 64 keys)."""
+
+VIEW_ATTR = "_semblend_split_view"
+"""Attribute of a ForwardBatch holding its :class:`SplitView` (set by :func:`split_view_of`)."""
+
+
+@dataclass(frozen=True)
+class SplitSequences:
+    """The view's per-sequence fields: for each sub-sequence its request's index in the real
+    batch, prefix length, extend length and sequence length (prefix + extend)."""
+
+    request: list[int]
+    prefix: list[int]
+    extend: list[int]
+    seq: list[int]
+
+
+@dataclass(frozen=True)
+class SplitView:
+    """A batch's split view: ``batch`` is the ForwardBatch copy the backend is given (None when
+    the real batch holds no sparse request), ``sequences`` its per-sequence fields."""
+
+    batch: Any
+    sequences: SplitSequences | None
+
+
+def _cpu_list(values: Any, tensor: Any) -> list[int] | None:
+    if values is not None:
+        return [int(x) for x in values]
+    if tensor is not None:
+        return [int(x) for x in tensor.tolist()]
+    return None
+
+
+def batch_lens(forward_batch: Any) -> tuple[list[int], list[int], list[int]] | None:
+    """(prefix lengths, extend lengths, sequence lengths) of an extend batch, on the host; None
+    when a field is missing (decode, idle)."""
+    prefix = _cpu_list(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
+    extend = _cpu_list(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
+    seq = _cpu_list(None, getattr(forward_batch, "seq_lens_cpu", None))
+    if seq is None and forward_batch.seq_lens is not None:
+        seq = [int(x) for x in forward_batch.seq_lens.tolist()]
+    if prefix is None or extend is None or seq is None:
+        return None
+    return prefix, extend, seq
+
+
+def is_sparse_batch(forward_batch: Any) -> bool:
+    """True when an extend batch holds a request with ``prefix_len + extend_len != seq_len``;
+    False for any batch without those fields (decode, idle)."""
+    if not forward_batch.forward_mode.is_extend():
+        return False
+    lens = batch_lens(forward_batch)
+    if lens is None:
+        return False
+    return any(m + c != n for m, c, n in zip(*lens, strict=True))
+
+
+def computed_runs(positions: torch.Tensor | list[int]) -> list[tuple[int, int]]:
+    """Maximal runs ``[s, e)`` of ascending ``positions`` (a 1-D tensor or a list), found with
+    tensor ops (one host copy of the run bounds). Raises ValueError when they are not strictly
+    ascending."""
+    pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    if pos.numel() == 0:
+        return []
+    step = pos[1:] - pos[:-1]
+    if bool((step <= 0).any()):
+        at = int(pos[1:][step <= 0][0])
+        raise ValueError(f"positions not strictly ascending at {at}")
+    breaks = torch.nonzero(step != 1).reshape(-1) + 1
+    zero = torch.zeros(1, dtype=torch.int64, device=pos.device)
+    end = torch.full((1,), pos.numel(), dtype=torch.int64, device=pos.device)
+    first = torch.cat([zero, breaks.to(pos.device)])
+    last = torch.cat([breaks.to(pos.device), end]) - 1
+    bounds = torch.stack([pos[first], pos[last] + 1], dim=1).tolist()
+    return [(int(a), int(b)) for a, b in bounds]
+
+
+def split_sequences(forward_batch: Any) -> SplitSequences | None:
+    """The per-sequence fields of the view of ``forward_batch``; None when it holds no sparse
+    request or its lengths are unknown. Raises ValueError when a sparse request's positions are
+    missing, not 1-D, of the wrong count, not ascending, or reach past its sequence length."""
+    lens = batch_lens(forward_batch)
+    if lens is None:
+        return None
+    prefix, extend, seq = lens
+    if all(m + c == n for m, c, n in zip(prefix, extend, seq, strict=True)):
+        return None
+    positions = forward_batch.positions
+    if positions is None or positions.dim() != 1 or positions.shape[0] != sum(extend):
+        raise ValueError("a sparse request needs one position per computed token")
+    out = SplitSequences([], [], [], [])
+    start = 0
+    for i, (m, c, n) in enumerate(zip(prefix, extend, seq, strict=True)):
+        if m + c == n:
+            runs = [(m, n)]
+        else:
+            runs = computed_runs(positions[start : start + c])
+            if runs and (runs[0][0] < m or runs[-1][1] > n):
+                raise ValueError(f"request {i}: computed positions outside [{m}, {n})")
+        for s, e in runs:
+            out.request.append(i)
+            out.prefix.append(s)
+            out.extend.append(e - s)
+            out.seq.append(e)
+        start += c
+    return out
+
+
+def _like(values: list[int], template: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=template.dtype, device=template.device)
+
+
+def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
+    """A shallow copy of ``forward_batch`` whose per-sequence fields are ``seqs``' (rows
+    repeated per run, prefix/extend/sequence lengths, start offsets, sums); every other field is
+    the real batch's object. Fields the view cannot keep consistent (logprob starts, orig/max
+    sequence-length overrides) are None."""
+    fb = forward_batch
+    idx = torch.tensor(seqs.request, dtype=torch.int64, device=fb.req_pool_indices.device)
+    view = copy.copy(fb)
+    view.__dict__.pop(VIEW_ATTR, None)  # a stale view of the real batch, copied along
+    view.batch_size = len(seqs.request)
+    view.req_pool_indices = fb.req_pool_indices.index_select(0, idx)
+    cpu_rows = getattr(fb, "req_pool_indices_cpu", None)
+    if cpu_rows is not None:
+        view.req_pool_indices_cpu = cpu_rows.index_select(0, idx.cpu())
+    view.seq_lens = _like(seqs.seq, fb.seq_lens)
+    if getattr(fb, "seq_lens_cpu", None) is not None:
+        view.seq_lens_cpu = torch.tensor(seqs.seq, dtype=fb.seq_lens_cpu.dtype)
+    view.seq_lens_sum = sum(seqs.seq)
+    view.extend_seq_lens = _like(seqs.extend, fb.extend_seq_lens)
+    view.extend_prefix_lens = _like(seqs.prefix, fb.extend_prefix_lens)
+    view.extend_seq_lens_cpu = list(seqs.extend)
+    view.extend_prefix_lens_cpu = list(seqs.prefix)
+    starts = [0]
+    for c in seqs.extend[:-1]:
+        starts.append(starts[-1] + c)
+    template = getattr(fb, "extend_start_loc", None)
+    view.extend_start_loc = _like(starts, template if template is not None else fb.seq_lens)
+    for name in ("extend_logprob_start_lens_cpu", "orig_seq_lens", "max_seq_len_override"):
+        if hasattr(fb, name):
+            setattr(view, name, None)
+    if getattr(fb, "max_seq_len_host", None) is not None:
+        view.max_seq_len_host = max(seqs.seq)
+    return view
+
+
+def split_view_of(forward_batch: Any) -> SplitView:
+    """The batch's :class:`SplitView`, built once per ForwardBatch object and kept on it
+    (:data:`VIEW_ATTR`); rebuilt when its ``positions`` or lengths changed. ``batch`` is None for
+    a batch without a sparse request (the backend gets the real batch). Raises ValueError as
+    :func:`split_sequences`."""
+    key = (id(forward_batch.positions), batch_lens(forward_batch))
+    kept = getattr(forward_batch, VIEW_ATTR, None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    if not forward_batch.forward_mode.is_extend():
+        view = SplitView(None, None)
+    else:
+        seqs = split_sequences(forward_batch)
+        view = SplitView(None if seqs is None else build_view(forward_batch, seqs), seqs)
+    setattr(forward_batch, VIEW_ATTR, (key, view))
+    return view
+
+
+def tile_work(extend: list[int], seq: list[int]) -> int:
+    """Tile pairs a prefix + causal-extend kernel visits for sequences of ``extend`` queries over
+    ``seq`` keys: ``sum(ceil(e / TILE) * ceil(n / TILE))``. A split run pays for its whole
+    prefix again, so many short runs cost more than one position-masked pass over the request."""
+    return sum(-(-e // TILE) * -(-n // TILE) for e, n in zip(extend, seq, strict=True))
+
+
+def split_is_cheaper(forward_batch: Any, seqs: SplitSequences) -> bool:
+    """Whether the split view's sequences cost no more tile work than the real batch's requests
+    run with a position mask (one sequence per request): the choice a backend that has both
+    paths (triton) makes per batch. On an H200 the split view was up to 3.5x faster with 4-16
+    runs per request and up to 6x slower with 256 (docs/perf.md, "Split view on a GPU")."""
+    lens = batch_lens(forward_batch)
+    if lens is None:
+        return True
+    _, extend, seq = lens
+    return tile_work(seqs.extend, seqs.seq) <= tile_work(extend, seq)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds .gpu/ (git-ignored) for scripts/gpu_split_view.py on a GPU machine without sglang:
+# sglang 0.5.23's Triton extend kernel files verbatim from .venv, two import shims, and copies of
+# the torch-only modules the check imports. Carry .gpu with the device run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+grep -qx "/.gpu/" .git/info/exclude || echo "/.gpu/" >> .git/info/exclude
+src=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])")
+rm -rf .gpu
+mkdir -p .gpu/site/sglang/kernels/ops/attention .gpu/site/sglang/srt
+for f in extend_attention.py decode_attention.py score_mod.py; do
+    cp "$src/kernels/ops/attention/$f" .gpu/site/sglang/kernels/ops/attention/
+done
+for d in sglang sglang/kernels sglang/kernels/ops sglang/kernels/ops/attention sglang/srt; do
+    touch ".gpu/site/$d/__init__.py"
+done
+cat > .gpu/site/sglang/srt/environ.py <<'PY'
+"""Import shim for the GPU check only: every sglang env flag reads as unset (off)."""
+
+
+class _Flag:
+    def get(self):
+        return False
+
+
+class _Envs:
+    def __getattr__(self, name):
+        return _Flag()
+
+
+envs = _Envs()
+PY
+cat > .gpu/site/sglang/srt/utils.py <<'PY'
+"""Import shim for the GPU check only: the platform probes the kernel files read."""
+import torch
+
+
+def is_cuda():
+    return torch.cuda.is_available() and torch.version.cuda is not None
+
+
+def is_hip():
+    return False
+
+
+def is_gfx95_supported():
+    return False
+
+
+def is_gfx1250_supported():
+    return False
+
+
+def get_device_core_count(device_id=0):
+    return torch.cuda.get_device_properties(device_id).multi_processor_count
+PY
+cp patches/sglang/split_view.py kernels/sparse_extend_triton.py \
+    tests/sparse_extend_batches.py .gpu/
+cp kernels/sparse_extend.py .gpu/sparse_extend_ref.py
+echo "built .gpu ($(du -sh .gpu | cut -f1))"

@@ -1,0 +1,113 @@
+"""sglang 0.5.23's real `TritonAttnBackend` on CPU, for an EXTEND forward of a random batch
+(tests/sparse_extend_batches.py) under TRITON_INTERPRET=1.
+
+`backend` builds the class without a model runner (its `__init__` needs a CUDA/runtime context):
+it sets exactly the attributes `init_forward_metadata`'s extend branch and `forward_extend`'s
+paged-extend path read, with SGLang's values for a plain MHA model at page size 1, and SGLang's
+own `KVIndexTranslator`, `MHATokenToKVPool` and `extend_attention_fwd`. Its per-sequence buffers
+are sized by ``max_bs`` as SGLang sizes them by the request pool. `forward` runs the two methods
+(hooked or not, whatever is installed) and returns the attention output.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tests.harness.attention_backend import forward_batch
+from tests.sparse_extend_batches import Batch
+
+
+def layer(batch: Batch, **kw: Any) -> SimpleNamespace:
+    """The RadixAttention fields the triton extend reads (a causal decoder layer)."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    hq, hkv, d = batch.q.shape[1], batch.k.shape[1], batch.q.shape[2]
+    fields = {
+        "tp_q_head_num": hq,
+        "tp_k_head_num": hkv,
+        "qk_head_dim": d,
+        "v_head_dim": d,
+        "is_cross_attention": False,
+        "attn_type": AttentionType.DECODER,
+        "scaling": d**-0.5,
+        "sliding_window_size": -1,
+        "layer_id": 0,
+        "logit_cap": 0.0,
+        "logit_capping_method": "tanh",
+        "k_scale": None,
+        "v_scale": None,
+        "xai_temperature_len": -1,
+    }
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def backend(batch: Batch, max_bs: int = 8) -> Any:
+    """A `TritonAttnBackend` over the batch's rows and a real KV pool holding its cache."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    slots, hkv, d = batch.k_cache.shape
+    pool = MHATokenToKVPool(
+        size=slots,
+        page_size=1,
+        dtype=batch.k_cache.dtype,
+        head_num=hkv,
+        head_dim=d,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    pool.k_buffer[0][:slots] = batch.k_cache
+    pool.v_buffer[0][:slots] = batch.v_cache
+    out = object.__new__(TritonAttnBackend)
+    import sglang.kernels.ops.attention.extend_attention as kernels
+
+    fields: dict[str, Any] = {
+        "extend_attention_fwd": kernels.extend_attention_fwd,
+        "dllm_attention": None,
+        "_dense_one_shot_kv_indptr": None,
+        "sliding_window_size": None,
+        "window_kv_indptr": None,
+        "use_sliding_window_kv_pool": False,
+        "dcp_size": 1,
+        "dcp_rank": 0,
+        "enable_deterministic": False,
+        "use_mla": False,
+        "use_dense_fp8_chunked_prefill": False,
+        "use_verify_splitkv": False,
+        "use_verify_shared_kv": False,
+        "page_size": 1,
+        "device": "cpu",
+        "max_context_len": batch.req_to_token.shape[1],
+        "req_to_token": batch.req_to_token,
+        "req_to_token_pool": SimpleNamespace(req_to_token=batch.req_to_token, size=max_bs),
+        "token_to_kv_pool": pool,
+        "kv_index_translator": KVIndexTranslator(
+            req_to_token=batch.req_to_token,
+            token_to_kv_pool_allocator=None,
+            token_to_kv_pool=pool,
+            page_size=1,
+            device="cpu",
+        ),
+        "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32),
+        "qo_indptr": torch.zeros(max_bs + 1, dtype=torch.int64),
+        "mask_indptr": torch.zeros(max_bs + 1, dtype=torch.int64),
+        "forward_metadata": None,
+    }
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
+
+
+def forward(batch: Batch, *, triton: Any = None, fb: Any = None, **layer_kw: Any) -> torch.Tensor:
+    """`init_forward_metadata` then `forward_extend` of the batch's queries ([T, Hq, D])."""
+    triton = triton or backend(batch)
+    fb = fb or forward_batch(batch)
+    triton.init_forward_metadata(fb)
+    q = batch.q.reshape(batch.q.shape[0], -1)
+    out = triton.forward_extend(q, batch.k, batch.v, layer(batch, **layer_kw), fb)
+    return out.view_as(batch.q)
