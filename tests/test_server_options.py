@@ -29,7 +29,6 @@ def _server_args(model_dir: Path, **options: Any) -> Any:
     [
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
-        ({"page_size": 16}, "--page-size 16"),
         ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3"),
         ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"),
         ({"pp_size": 2}, "--pp-size 2"),
@@ -40,6 +39,13 @@ def test_each_unsupported_option_is_named(
 ) -> None:
     found = unsupported_options(_server_args(smollm2_model_dir, **options))
     assert len(found) == 1 and found[0].startswith(named), found
+
+
+def test_page_size_is_named_only_for_a_version_not_served_paged(smollm2_model_dir: Path) -> None:
+    args = _server_args(smollm2_model_dir, page_size=16)
+    assert unsupported_options(args) == []
+    (line,) = unsupported_options(args, paged=False)
+    assert line.startswith("--page-size 16")
 
 
 def test_the_served_defaults_and_a_plain_model_are_supported(

@@ -456,3 +456,32 @@ def test_randomized_traffic_keeps_every_invariant_at_small_and_large_chunks(
         assert counts["chunked"] >= 5, counts
     assert not adapter.flow.requests, "request state leaked past release"
     assert_drained(harness)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_randomized_traffic_keeps_every_invariant_with_pages(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+    page: int,
+) -> None:
+    """``--page-size`` 16 and 64: every page has one owner after every step (free list, tree,
+    live requests, held donors, the held store holding whole pages only), the tree holds only
+    cold KV, and semantic hits still happen (plans are page-aligned, spans copied per token)."""
+    harness = SglangCacheHarness(
+        HarnessConfig(
+            page_size=page, pool_tokens=8192, chunked_prefill_size=256, max_running_requests=8
+        ),
+        model_config,
+    )
+    counts = drive_random(harness, passages, instructions, 200, seed=31 + page, retract=True)
+    snap = adapter.runtime.snapshot()
+    print(f"page {page}: {harness.stats} {counts} {snap['outcomes']} {snap['declined']}")
+    assert snap["outcomes"]["materialized"] >= 10, snap
+    assert snap["held_donors"]["kept"] >= 1, snap["held_donors"]
+    assert Reason.UNREPORTED not in snap["declined"], snap
+    assert Reason.UNSUPPORTED_CACHE not in snap["declined"], snap
+    assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
+    assert not adapter.flow.requests, "request state leaked past release"
+    assert_drained(harness)

@@ -219,26 +219,34 @@ class HeldDonors:
     ) -> tuple[list[tuple[int, int]], torch.Tensor, int] | None:
         """The release of a row marked with ``pending`` frees ``ranges``: (what is still to be
         freed, the prompt slots to keep, their first position), or None to free everything
-        (nothing of the prompt is unpublished, or the row is not the expected one)."""
-        prompt_len = len(pending.tokens)
-        if len(ranges) != 1 or int(cache.page_size) != 1:
+        (nothing of the prompt is unpublished, the row is not the expected one, or no whole
+        page of it is). With pages the store keeps whole pages only: from ``lo`` (a page
+        boundary) to the last page boundary inside the prompt; the page the prompt ends in
+        also holds output tokens and is freed with them, so every page has one owner."""
+        page = int(cache.page_size)
+        if len(ranges) != 1:
             return None
         lo, hi = int(ranges[0][0]), int(ranges[0][1])
+        prompt_len = len(pending.tokens)
         if not lo < prompt_len <= hi:
             return None
+        kept_end = prompt_len // page * page
+        if lo % page or kept_end <= lo:
+            return None
         row = cache.req_to_token_pool.req_to_token[pending.kv.req_pool_idx]
-        slots = row[lo:prompt_len].to(torch.int64).clone()
-        return ([(prompt_len, hi)] if prompt_len < hi else []), slots, lo
+        slots = row[lo:kept_end].to(torch.int64).clone()
+        return ([(kept_end, hi)] if kept_end < hi else []), slots, lo
 
     def keep(self, cache: Any, pending: PendingKeep, slots: torch.Tensor, held_from: int) -> None:
         """Hold ``slots`` (prompt positions from ``held_from`` on, no longer in the request's
-        row) as donor KV of ``pending``'s whole prompt. On any failure before the store owns
-        them the slots are freed."""
+        row) as donor KV of ``pending``'s prompt up to the last held position. On any failure
+        before the store owns them the slots are freed."""
         runtime = self.runtime
         store = self.store(cache)
         try:
+            held_to = held_from + int(slots.numel())  # the prompt's KV ends here
             dropped = runtime.register_donor(
-                pending.namespace, pending.rid, pending.tokens, extend=True
+                pending.namespace, pending.rid, pending.tokens[:held_to], extend=True
             )
             handle = runtime.donor_handle(pending.rid)
             if handle is None or not runtime.is_donor(handle):

@@ -149,6 +149,7 @@ class LegacyRadixCacheAdapter(SglangAdapter):
             unlock=_unlock_node,
             match_donor=self._match_donor,
             cache_supported=self._cache_supported,
+            paged=False,
         )
         super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
         self._served: tuple[type, ...] = ()
@@ -251,9 +252,9 @@ class LegacyRadixCacheAdapter(SglangAdapter):
                     "hook; no semantic reuse will happen",
                     name,
                 )
-        # torch_native only: these versions' TritonAttnBackend has no _forward_extend_kernel
-        # (0.5.15 triton_backend.py:1201 calls extend_attention_fwd directly), so a triton
-        # backend fails sparse_extend_supported and every plan is declined (unsupported_cache).
+        # torch_native only: the split view's triton hooks are tested against 0.5.23's
+        # TritonAttnBackend, not these versions', so a triton backend fails
+        # sparse_extend_supported here and every plan is declined (unsupported_cache).
         return HookTable(wrappers, triton_attention=False)
 
     # ----------------------------------------------------------------- the view

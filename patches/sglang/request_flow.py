@@ -174,12 +174,13 @@ class RequestFlow:
         return self.view.cache_supported(cache) and self.backend_ok is not False
 
     def pool_supported(self, cache: Any) -> bool:
-        """The KV-pool conditions every adapter needs (for its ``cache_supported``): page size
-        1, per-layer K/V buffers stored in their own dtype (no fp8), and a RoPE the kernels
-        support for the served model."""
+        """The KV-pool conditions every adapter needs (for its ``cache_supported``): per-layer
+        K/V buffers stored in their own dtype (no fp8) and a RoPE the kernels support for the
+        served model. Any page size where the version is ``paged``: spans are copied per token
+        into the request's own fresh slots, and the tree publishes and frees whole pages."""
         pool = cache.token_to_kv_pool_allocator.get_kvcache()
         return (
-            int(cache.page_size) == 1
+            (self.view.paged or int(cache.page_size) == 1)
             and isinstance(getattr(pool, "k_buffer", None), list)
             and getattr(pool, "store_dtype", None) == getattr(pool, "dtype", None)
             and self.rope_spec() is not None
@@ -349,12 +350,13 @@ class RequestFlow:
         state = self.state_of(rid)
         return state.publish_cap if state is not None and state.reused_any else None
 
-    def published(self, req: Any, published_len: int) -> None:
-        """The tree now holds ``req``'s prompt up to ``published_len``: it donates that (its
-        exact head, capped, once it reused KV); a finished request that reused KV is marked to
-        keep the rest of its prompt as a held donor when its row is released."""
+    def published(self, req: Any, published_len: int, page_size: int = 1) -> None:
+        """The tree was asked to hold ``req``'s sequence up to ``published_len`` (it holds the
+        whole ``page_size`` pages of it): it donates its prompt (its exact head, capped, once it
+        reused KV); a finished request that reused KV is marked to keep the rest of its prompt as
+        a held donor when its row is released."""
         cap = self.publish_cap(req.rid)
-        self.register_donor(req, published_len, cap)
+        self.register_donor(req, published_len, cap, page_size)
         state = self.requests.get(req.rid)
         if (
             cap is not None
@@ -368,15 +370,24 @@ class RequestFlow:
                 PendingKeep(req.kv, req.rid, state.namespace, list(req.origin_input_ids))
             )
 
-    def register_donor(self, req: Any, published_len: int, cap: int | None = None) -> None:
-        """Index ``req``'s prompt as a donor (once) when the tree now holds all of it, or, for a
-        request that reused KV (``cap``: its publish cap), the exact head ``prompt[:cap]`` when
-        the tree holds that: everything after it is approximate and was never published."""
+    def register_donor(
+        self, req: Any, published_len: int, cap: int | None = None, page_size: int = 1
+    ) -> None:
+        """Index ``req``'s prompt as a donor (once) when the tree now holds all of it that it
+        ever will: every whole ``page_size`` page of it (at page size 1, all of it; with pages
+        the page the prompt ends in is held only once output tokens fill it, else it stays with
+        the request and is freed with it). For a request that reused KV (``cap``: its publish
+        cap) only its exact head ``prompt[:cap]``: everything after it is approximate and was
+        never published."""
         prompt = req.origin_input_ids
         end = len(prompt) if cap is None else min(int(cap), len(prompt))
         if not self.runtime.active:
             return
-        if published_len >= end >= self.config.min_prompt_tokens and eligible(req):
+        held = int(published_len) // page_size * page_size
+        if held < end // page_size * page_size:
+            return  # more of it is still to be published
+        end = min(end, held)
+        if end >= self.config.min_prompt_tokens and eligible(req):
             self.runtime.register_donor(namespace_for(req), req.rid, list(prompt[:end]))
 
     # ----------------------------------------------------------------- 6. end

@@ -86,7 +86,12 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
         runtime.forward_stream = getattr(self, "forward_stream", None)
         server_args = getattr(self, "server_args", None)
         model_config = getattr(self, "model_config", None)
-        refused = flow.guarded("startup", None, [], unsupported_options, server_args, model_config)
+        refused = flow.guarded(
+            "startup",
+            None,
+            [],
+            lambda: unsupported_options(server_args, model_config, paged=flow.view.paged),
+        )
         if refused:
             runtime.refuse(refused)
             return

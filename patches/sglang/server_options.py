@@ -14,16 +14,19 @@ PLAIN_KV_DTYPES = frozenset({"auto", "bfloat16", "bf16", "float16", "fp16", "hal
 """``--kv-cache-dtype`` values whose pool stores K/V unquantized (what the kernels copy)."""
 
 
-def unsupported_options(server_args: Any, model_config: Any = None) -> list[str]:
+def unsupported_options(
+    server_args: Any, model_config: Any = None, *, paged: bool = True
+) -> list[str]:
     """One line per option of ``server_args`` (and ``model_config``) that rules reuse out:
     ``--disable-radix-cache`` (no exact cache holds donor KV), speculative decoding (the draft
-    model's KV pool is never filled for reused spans), ``--page-size`` > 1 (spans are copied per
-    token), a quantized ``--kv-cache-dtype``, pipeline parallelism (the ranks agree on reuse
-    only within an attention group), PD disaggregation (the prefill node would send
-    reused KV to a decode node whose cache may insert it as exact), and MLA or sliding-window
-    attention, and a RoPE a delta rotation cannot correct (read from the engine's resolved model
-    config: ``--json-model-override-args`` and ``--revision`` applied). Empty when every option
-    is supported."""
+    model's KV pool is never filled for reused spans), ``--page-size`` > 1 where the sglang
+    version is not ``paged`` (:class:`.version_view.VersionView`), a quantized
+    ``--kv-cache-dtype``, pipeline parallelism (the ranks agree on reuse only within an
+    attention group), PD disaggregation (the prefill node would send reused KV to a decode node
+    whose cache may insert it as exact), MLA or sliding-window attention, and a RoPE a delta
+    rotation cannot correct (read from the engine's resolved model config:
+    ``--json-model-override-args`` and ``--revision`` applied). Empty when every option is
+    supported."""
     out: list[str] = []
     if getattr(server_args, "disable_radix_cache", False):
         out.append("--disable-radix-cache: no exact cache holds donor KV")
@@ -33,8 +36,8 @@ def unsupported_options(server_args: Any, model_config: Any = None) -> list[str]
             f"--speculative-algorithm {spec}: the draft model's KV is never filled for reused spans"
         )
     page = getattr(server_args, "page_size", None)
-    if page is not None and int(page) > 1:
-        out.append(f"--page-size {page}: reused spans are copied per token (page size 1 only)")
+    if not paged and page is not None and int(page) > 1:
+        out.append(f"--page-size {page}: this sglang version is served at page size 1 only")
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto").lower()
     if kv_dtype not in PLAIN_KV_DTYPES:
         out.append(f"--kv-cache-dtype {kv_dtype}: a quantized KV pool is not copied")

@@ -122,7 +122,8 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             rid = getattr(req, "rid", None)
             up_to = flow.publish_limit(rid, up_to)
             orig_checkpoint(self, req, up_to=up_to, **kwargs)
-            flow.guarded("checkpoint", rid, None, flow.published, req, up_to)
+            page = int(self.page_size)
+            flow.guarded("checkpoint", rid, None, flow.published, req, up_to, page)
             flow.guarded("checkpoint", rid, None, adapter._watch_head, self, req)
 
         def free_kv_row(self: Any, kv: Any, ranges: list[tuple[int, int]]) -> None:
@@ -261,8 +262,11 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         path = torch.empty(0, dtype=torch.int64)
         node = None
         if tree_end > 0:
+            # the tree matches whole pages: ask for the pages that cover [0, tree_end)
+            page = int(cache.page_size)
+            key_end = min(len(donor), -(-tree_end // page) * page)
             key = RadixKey(
-                array("q", donor[:tree_end].tolist()),
+                array("q", donor[:key_end].tolist()),
                 extra_key=ns.extra_key,
                 cache_salt=ns.cache_salt,
             )

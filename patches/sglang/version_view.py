@@ -65,7 +65,9 @@ class VersionView:
     (empty for one rank; :mod:`.rank_agreement`); ``match_donor(params)``: where a donor's KV is
     (may forget a donor whose KV is gone for good); ``donor_alive(cache, namespace)``: the
     provider's liveness check of candidate donors (None: the copy finds evicted donors);
-    ``cache_supported(cache)``: the cache (its tree, pool, page size) can take reused KV."""
+    ``cache_supported(cache)``: the cache (its tree, pool, page size) can take reused KV;
+    ``paged``: the version's release path is served at ``--page-size`` > 1 (the tree publishes
+    and frees whole pages under the publish cap; tested on 0.5.23's unified tree only)."""
 
     row_of: Callable[[Any], int]
     extend_end: Callable[[Any], int]
@@ -75,3 +77,4 @@ class VersionView:
     cache_supported: Callable[[Any], bool]
     donor_alive: Callable[[Any, Namespace], DonorAlive | None] = lambda cache, namespace: None
     peers: Callable[[Any], list[Any]] = rank_agreement.global_attention_peers
+    paged: bool = True

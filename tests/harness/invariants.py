@@ -85,9 +85,11 @@ def check_invariants(h: CacheHarness, *, full_kv: bool = False) -> None:
     live = h.live_requests()
     req_pages = _request_pages(h, live, tree_slot_set, tree_pages)
     held_list = _held_slots(h)
-    held_pages = {s // ps for s in held_list}
-    if len(held_pages) != len(held_list):
+    if len(set(held_list)) != len(held_list):
         raise InvariantViolation("a slot is held twice by the held-donor store")
+    held_pages = {s // ps for s in held_list}
+    if len(held_pages) * ps != len(held_list):
+        raise InvariantViolation("the held-donor store holds part of a page")
     for name, owned_set in (("tree", tree_pages), ("request", req_pages)):
         both = owned_set & held_pages
         if both:
