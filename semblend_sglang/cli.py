@@ -90,6 +90,43 @@ def prepare_model_cmd(cache_dir: Path | None, force: bool) -> None:
     click.echo(str(folder))
 
 
+@main.command(
+    "doctor",
+    options_metavar="[--assume-gpu GPU]",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option(
+    "--assume-gpu",
+    type=click.Choice(["h100", "a100", "b200"]),
+    default=None,
+    help="Resolve the flags as SGLang would on this GPU (default: on this machine).",
+)
+@click.pass_context
+def doctor_cmd(ctx: click.Context, assume_gpu: str | None) -> None:
+    """Say whether semantic reuse runs for these SGLang server flags, and why not.
+
+    The flags (as given to `python -m sglang.launch_server`) are resolved by SGLang's own
+    pipeline, on this machine or for the GPU named by --assume-gpu; per rank role the output is
+    `reuse: on` or `reuse: off (<reason>)` with the resolved attention backend and page size.
+    Exit 0 either way; 2 for flags SGLang refuses.
+    """
+    from .cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from .patches.sglang.doctor import DoctorParams, FlagError, diagnose
+
+    try:
+        report = diagnose(DoctorParams(tuple(ctx.args), assume_gpu))
+    except FlagError as exc:
+        click.echo(f"semblend-sglang doctor: {exc}", err=True)
+        ctx.exit(2)
+    click.echo(f"resolved for {report.machine}:")
+    for role in report.roles:
+        click.echo("  " + role.line)
+    for note in report.notes:
+        click.echo(f"  note: {note}")
+
+
 @main.command("settings")
 def settings_cmd() -> None:
     """Print every SemBlend setting (env var, flag, JSON keys, default, allowed values, meaning)
