@@ -404,20 +404,27 @@ def _prefill_steps(h: SglangCacheHarness, req: Any) -> list[int]:
     raise AssertionError(f"{req.rid} did not prefill: {ends}")
 
 
+@pytest.mark.parametrize("logprobs", ["none", "output"])
 def test_a_sparse_request_is_charged_at_admission_what_it_computes(
     adapter: Any,
     model_config: Any,
     passages: list[list[list[int]]],
     instructions: list[list[int]],
+    logprobs: str,
 ) -> None:
     """chunked_prefill_size 128: a semantic hit of ~500 tokens that computes fewer than 128 is
     one prefill chunk (SGLang's PrefillAdder is charged its computed tokens, not its length),
-    while a cold request of the same length takes a chunk per 128 tokens."""
+    also when it asks for output-token logprobs (what SGLang sets ``logprob_start_len`` to
+    then: the prompt's length), while a cold request of the same length takes a chunk per 128
+    tokens."""
     chunk = 128
     config = HarnessConfig(pool_tokens=8192, chunked_prefill_size=chunk)
     h = SglangCacheHarness(config, model_config)
     target = semantic_pair(h, passages, instructions)
     n = len(target.origin_input_ids)
+    if logprobs == "output":
+        target.return_logprob = True
+        target.logprob_start_len = n
     assert n > 3 * chunk
     assert _prefill_steps(h, target) == [n]  # one chunk
     state = adapter.flow.requests[target.rid]

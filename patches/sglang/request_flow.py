@@ -48,6 +48,15 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+def asks_input_logprobs(req: Any) -> bool:
+    """Whether ``req`` asks for the logprob of any prompt token before its last: SGLang sets
+    ``logprob_start_len`` to the prompt's length (or -1) for output-token logprobs alone."""
+    if not getattr(req, "return_logprob", False):
+        return False
+    start = getattr(req, "logprob_start_len", None)
+    return start is not None and 0 <= int(start) < len(req.origin_input_ids) - 1
+
+
 class RequestFlow:
     """The semantic path of every request in one scheduler process (TP ranks each have their
     own and, fed the same calls, decide the same).
@@ -204,12 +213,12 @@ class RequestFlow:
         the admitted chunk computes (:meth:`chunk_reused`); its memory budget still takes
         every position. A check-layer strategy is charged the ``recompute_ratio`` of the copied
         positions it recomputes after its check layer (the layers up to it run every position).
-        0 without an open plan, without a chunk budget, or when input logprobs are asked for
-        (those positions are computed)."""
+        0 without an open plan, without a chunk budget, or when input-token logprobs are asked
+        for (those positions are computed; output-token logprobs alone change nothing)."""
         state = self.requests.get(req.rid)
         if state is None or not state.open or budget is None or budget <= 0:
             return 0
-        if getattr(req, "return_logprob", False):
+        if asks_input_logprobs(req):
             return 0
         lo = int(req.prefix_len)
         end = len(req.full_untruncated_fill_ids)
