@@ -344,12 +344,14 @@ class TokenIndex:
         return self._live_bytes
 
     def stats(self) -> dict[str, int]:
-        """Counters for telemetry and the benchmark: donors, postings, runs, next id."""
+        """Counters for telemetry and the benchmark: donors, postings, runs, next id, and the
+        bytes the index accounts against ``max_bytes`` (live postings, records, token copies)."""
         with self._lock:
             return {
                 "donors": len(self._records),
                 "postings": self._postings,
                 "live_postings": self._live_postings,
+                "bytes": self._live_bytes,
                 "runs": len(self._runs),
                 "next_id": self._next_id,
             }
