@@ -64,7 +64,7 @@ def test_the_scheduler_hands_its_forward_stream_to_the_runtime_stand_in_schedule
     from sglang.srt.server_args import ServerArgs
 
     forward = _Stream()
-    for options, active in (({}, True), ({"page_size": 16}, False)):
+    for options, active in (({}, True), ({"kv_cache_dtype": "fp8_e4m3"}, False)):
         args = ServerArgs(model_path=str(smollm2_model_dir), device="cpu", **options)
         flow = UnifiedRadixCacheAdapter(Config()).flow
         runtime = flow.runtime
