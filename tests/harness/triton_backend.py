@@ -16,32 +16,22 @@ from typing import Any
 
 import torch
 
+from tests.harness import attention_backend
 from tests.harness.attention_backend import forward_batch
 from tests.sparse_extend_batches import Batch
 
 
 def layer(batch: Batch, **kw: Any) -> SimpleNamespace:
-    """The RadixAttention fields the triton extend reads (a causal decoder layer)."""
-    from sglang.srt.layers.radix_attention import AttentionType
-
-    hq, hkv, d = batch.q.shape[1], batch.k.shape[1], batch.q.shape[2]
-    fields = {
-        "tp_q_head_num": hq,
-        "tp_k_head_num": hkv,
-        "qk_head_dim": d,
-        "v_head_dim": d,
-        "is_cross_attention": False,
-        "attn_type": AttentionType.DECODER,
-        "scaling": d**-0.5,
-        "sliding_window_size": -1,
-        "layer_id": 0,
+    """The RadixAttention fields the triton extend reads: the torch_native harness's decoder
+    layer plus the logit-cap, KV-scale and temperature fields (`kw` overrides)."""
+    extra = {
         "logit_cap": 0.0,
         "logit_capping_method": "tanh",
         "k_scale": None,
         "v_scale": None,
         "xai_temperature_len": -1,
     }
-    return SimpleNamespace(**{**fields, **kw})
+    return attention_backend.layer(batch, **{**extra, **kw})
 
 
 def backend(batch: Batch, max_bs: int = 8) -> Any:
