@@ -4,7 +4,7 @@ Each request is cold (computed [0, n)), an exact hit (computed [m, n)), sparse (
 then a random subset of [m, n) that holds n - 1 and misses at least one position: many short
 runs), a sparse non-final chunk (the same without n - 1) or, when asked for, ``sparse_runs``
 (three long runs after m, the last ending at n: what a plan of a few reused spans computes).
-Rows are random distinct pool slots.
+Rows are random distinct pool slots (whole random pages at a page size > 1).
 """
 
 from __future__ import annotations
@@ -75,9 +75,13 @@ def random_batch(
     head_dim: int = 16,
     kinds: tuple[str, ...] = KINDS,
     dtype: torch.dtype = torch.float32,
+    page_size: int = 1,
 ) -> Batch:
     """A batch of ``n_requests`` requests of random kinds (at least one of each kind given, when
-    there is room) and lengths in [min_len, max_len], the computed K/V already in the pool."""
+    there is room) and lengths in [min_len, max_len], the computed K/V already in the pool.
+
+    With ``page_size`` > 1 each row holds whole random pages (slot = page * page_size + offset,
+    its pages owned by that row alone), as SGLang's paged allocator lays rows out."""
     g = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     chosen = list(kinds[:n_requests]) + [
@@ -85,18 +89,20 @@ def random_batch(
         for _ in range(n_requests - len(kinds))
     ]
     lens = [int(torch.randint(min_len, max_len + 1, (1,), generator=g)) for _ in chosen]
-    pool = sum(lens) + 16
+    pages = [-(-n // page_size) for n in lens]
+    pool = (sum(pages) + 2) * page_size if page_size > 1 else sum(lens) + 16
     rows_total = n_requests + 2
-    slots = torch.randperm(pool, generator=g)
+    page_order = torch.randperm(pool // page_size, generator=g)
+    slots = (page_order[:, None] * page_size + torch.arange(page_size)).reshape(-1)
     req_to_token = torch.zeros(rows_total, max_len, dtype=torch.int32)
     row_ids = torch.randperm(rows_total, generator=g)[:n_requests]
     k_cache = torch.randn(pool, hkv, head_dim, generator=g, dtype=dtype)
     v_cache = torch.randn(pool, hkv, head_dim, generator=g, dtype=dtype)
     prefix, counts, positions, out_loc = [], [], [], []
     used = 0
-    for row, n, kind in zip(row_ids.tolist(), lens, chosen, strict=True):
+    for row, n, kind, npages in zip(row_ids.tolist(), lens, chosen, pages, strict=True):
         req_to_token[row, :n] = slots[used : used + n].to(torch.int32)
-        used += n
+        used += npages * page_size
         m, pos = _positions(kind, n, g)
         prefix.append(m)
         counts.append(pos.numel())
