@@ -54,7 +54,8 @@ def _positions(kind: str, n: int, g: torch.Generator) -> tuple[int, torch.Tensor
     if kind == "sparse_runs":  # runs [m, m+w), [m+2w, m+3w), [n-w, n) around two reused gaps
         w = max(1, (n - m) // 5)
         pos = torch.cat([torch.arange(m, m + w), torch.arange(m + 2 * w, m + 3 * w)])
-        return m, torch.unique(torch.cat([pos, torch.arange(n - w, n)]))
+        pos = torch.unique(torch.cat([pos, torch.arange(n - w, n)]))
+        return m, pos[pos < n]  # a short request: the runs overlap or end early
     rest = torch.arange(m, n - 1)
     keep = rest[torch.rand(rest.numel(), generator=g) < 0.4]
     if kind == "sparse":

@@ -25,19 +25,23 @@ def _prefill_line(output: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("gpu", "backend", "page"),
-    [("h100", "fa3", 1), ("a100", "flashinfer", 1), ("b200", "trtllm_mha", 64)],
+    ("gpu", "backend", "page", "reuse"),
+    [("h100", "fa3", 1, True), ("a100", "flashinfer", 1, False), ("b200", "trtllm_mha", 64, False)],
 )
 def test_each_gpus_default_backend_is_named_with_its_reason(
-    smollm2_model_dir: Path, gpu: str, backend: str, page: int
+    smollm2_model_dir: Path, gpu: str, backend: str, page: int, reuse: bool
 ) -> None:
     """SGLang's default per GPU (fa3 on Hopper, trtllm_mha with page size 64 on Blackwell,
-    flashinfer elsewhere): reuse is off there today, and the line says why."""
+    flashinfer elsewhere): reuse is on where the split view serves that backend, otherwise off
+    with the reason naming the backend."""
     code, out = _doctor("--assume-gpu", gpu, "--model-path", str(smollm2_model_dir))
     assert code == 0, out
     line = _prefill_line(out)
     assert f"[backend {backend}, page size {page}]" in line, out
-    assert f"reuse: off (attention backend {backend}:" in line, out
+    if reuse:
+        assert "reuse: on " in line, out
+    else:
+        assert f"reuse: off (attention backend {backend}:" in line, out
     assert f"resolved for {gpu}" in out
 
 

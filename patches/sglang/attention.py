@@ -29,13 +29,13 @@ beforehand with :func:`sparse_extend_supported`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +48,13 @@ from semblend_sglang.kernels.sparse_extend_triton import (
 )
 from semblend_sglang.plan import Reason
 
+from .split_hooks import (
+    SparseExtendUnsupported,
+    check_causal_layer,
+    is_plain_extend,
+    scratch_room,
+    split_batch,
+)
 from .split_view import batch_lens, is_sparse_batch, split_is_cheaper, split_view_of
 from .wrapping import Originals, install_wrappers, restore
 
@@ -56,12 +63,7 @@ logger = logging.getLogger(__name__)
 CPU_QUERY_ONLY_ENV = "SEMBLEND_CPU_QUERY_ONLY_EXTEND"
 """Set to 0 to keep SGLang's torch_native extend on a CPU runtime (default on)."""
 
-SPARSE_EXTEND_BACKENDS = frozenset({"torch_native", "triton"})
-"""``--attention-backend`` names whose backend class these hooks serve (see
-:func:`sparse_extend_supported` for the per-instance conditions)."""
-
 UNSERVED_BACKENDS: dict[str, str] = {
-    "fa3": "its metadata and flash_attn_with_kvcache call are not yet tested with the split view",
     "flashinfer": "its ragged prefill reads the prefix before this pass's KV is saved; the "
     "paged-only path for split batches is not built yet",
     "trtllm_mha": "its page-table metadata is not yet tested with the split view",
@@ -78,17 +80,15 @@ UNSERVED_BACKENDS: dict[str, str] = {
 
 def backend_reuse_reason(backend: str, page_size: int) -> str | None:
     """Why a sparse extend cannot run on prefill backend ``backend`` at ``page_size``, or None
-    when it can (torch_native at any page size; triton at page size 1). Read by the doctor and
-    by :func:`attention_supported`; the per-instance conditions are
-    :func:`sparse_extend_supported`'s."""
-    if backend == "torch_native":
-        return None
-    if backend == "triton":
-        if page_size == 1:
-            return None
-        return f"triton at --page-size {page_size}: the split view is tested at page size 1 only"
-    why = UNSERVED_BACKENDS.get(backend, "not a backend the split view is tested on")
-    return f"attention backend {backend}: {why}"
+    when it can. Read by the doctor and by :func:`attention_supported`; the per-instance
+    conditions are :func:`sparse_extend_supported`'s."""
+    entry = _hooked_backends().get(backend)
+    if entry is None:
+        why = UNSERVED_BACKENDS.get(backend, "not a backend the split view is tested on")
+        return f"attention backend {backend}: {why}"
+    if entry.page_one_only and page_size != 1:
+        return f"{backend} at --page-size {page_size}: the split view is tested at page size 1 only"
+    return None
 
 
 _lock = threading.Lock()
@@ -96,45 +96,7 @@ _originals: dict[str, Originals] = {}
 _every_extend = False
 
 
-class SparseExtendUnsupported(RuntimeError):
-    """A batch holding a sparse request reached an attention path that cannot mask by position."""
-
-
 # ------------------------------------------------------------------------------------ batches
-def _is_plain_extend(forward_batch: Any) -> bool:
-    mode = forward_batch.forward_mode
-    return bool(mode.is_extend()) and (mode.name in ("EXTEND", "MIXED"))
-
-
-def split_batch(backend: str, forward_batch: Any) -> Any | None:
-    """The split view's batch of ``forward_batch`` when it holds a sparse request, else None.
-
-    Raises :class:`SparseExtendUnsupported` (naming ``backend``) for a sparse batch that is not
-    a plain EXTEND/MIXED batch, has encoder lens, or lacks usable positions.
-    """
-    if not is_sparse_batch(forward_batch):
-        return None
-    encoder = getattr(forward_batch, "encoder_lens", None)
-    if not _is_plain_extend(forward_batch) or encoder is not None:
-        raise SparseExtendUnsupported(
-            f"{backend}: sparse extend in a {forward_batch.forward_mode.name} batch"
-        )
-    try:
-        return split_view_of(forward_batch).batch
-    except ValueError as exc:
-        raise SparseExtendUnsupported(f"{backend}: {exc}") from exc
-
-
-def _check_causal_layer(backend: str, layer: Any) -> None:
-    """Raise unless ``layer`` is causal self-attention (a split run sees only its prefix)."""
-    kind = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
-    if getattr(layer, "is_cross_attention", False) or kind != "DECODER":
-        raise SparseExtendUnsupported(f"{backend}: sparse extend on a {kind} layer")
-    window = getattr(layer, "sliding_window_size", None)
-    if window is not None and window > -1:
-        raise SparseExtendUnsupported(f"{backend}: sparse extend on a sliding-window layer")
-
-
 def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
     """(position of every computed token, batch is sparse), or None when they cannot be known.
 
@@ -143,7 +105,7 @@ def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
     computed token. None for a batch that is not EXTEND/MIXED, has encoder lens, lacks the length
     fields, or has a sparse request without usable positions.
     """
-    if not _is_plain_extend(forward_batch) or forward_batch.encoder_lens is not None:
+    if not is_plain_extend(forward_batch) or forward_batch.encoder_lens is not None:
         return None
     lens = batch_lens(forward_batch)
     if lens is None:
@@ -202,7 +164,7 @@ def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
         view = split_batch("torch_native", forward_batch)
         if view is None:
             return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        _check_causal_layer("torch_native", layer)
+        check_causal_layer("torch_native", layer)
         return forward_extend(self, q, k, v, layer, view, *args, **kw)
 
     def run_sdpa_hook(
@@ -290,26 +252,6 @@ def _triton_supported(backend: Any) -> bool:
     )
 
 
-@contextlib.contextmanager
-def scratch_room(backend: Any, names: tuple[str, ...], length: int) -> Iterator[None]:
-    """Within the block, each of ``backend``'s 1-D scratch buffers ``names`` shorter than
-    ``length`` is a zeroed buffer of ``length`` (same dtype and device); the originals are put
-    back after. A split view may hold more sequences than SGLang sized these buffers for (its
-    request pool); the metadata built inside keeps slices of the larger ones, and CUDA-graph
-    replay, which captured the originals, never sees them."""
-    saved: dict[str, Any] = {}
-    for name in names:
-        buf = getattr(backend, name, None)
-        if isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.shape[0] < length:
-            saved[name] = buf
-            setattr(backend, name, torch.zeros(length, dtype=buf.dtype, device=buf.device))
-    try:
-        yield
-    finally:
-        for name, buf in saved.items():
-            setattr(backend, name, buf)
-
-
 TRITON_SCRATCH = ("kv_indptr", "qo_indptr", "mask_indptr")
 """TritonAttnBackend's per-sequence buffers sized by the request pool (``max_bs + 1``)."""
 
@@ -376,7 +318,7 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
         view = split_batch("triton", forward_batch)
         if view is None:
             return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        _check_causal_layer("triton", layer)
+        check_causal_layer("triton", layer)
         batch = forward_batch if masked(self) else view
         return forward_extend(self, q, k, v, layer, batch, *args, **kw)
 
@@ -394,31 +336,80 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
 
 
 # ------------------------------------------------------------------------ install / remove
+@dataclasses.dataclass(frozen=True)
+class HookedBackend:
+    """One SGLang attention backend class the sparse-extend hooks serve: where it lives, the
+    wrappers of its methods (built from the current originals), whether an instance can carry a
+    sparse extend with the hooks installed, and the page sizes it is tested at (None: any)."""
+
+    module: str
+    cls: str
+    wrappers: Callable[[type], dict[tuple[type, str], Any]]
+    supported: Callable[[Any], bool]
+    page_one_only: bool = False
+
+
+def _hooked_backends() -> dict[str, HookedBackend]:
+    from .attention_fa3 import fa3_supported, fa3_wrappers
+
+    return {
+        "torch_native": HookedBackend(
+            "sglang.srt.layers.attention.torch_native_backend",
+            "TorchNativeAttnBackend",
+            _torch_native_wrappers,
+            lambda b: not getattr(b, "use_sliding_window_kv_pool", False),
+        ),
+        "triton": HookedBackend(
+            "sglang.srt.layers.attention.triton_backend",
+            "TritonAttnBackend",
+            _triton_wrappers,
+            _triton_supported,
+            page_one_only=True,
+        ),
+        "fa3": HookedBackend(
+            "sglang.srt.layers.attention.flashattention_backend",
+            "FlashAttentionBackend",
+            fa3_wrappers,
+            fa3_supported,
+        ),
+    }
+
+
+GPU_BACKENDS = ("triton", "fa3")
+"""Hooked backends besides torch_native; their modules are imported only where they are
+installed (:func:`install_attention_hooks`)."""
+
+
 def _install(name: str) -> bool:
+    """Install backend ``name``'s hooks; False when its SGLang module does not import here (then
+    no instance of it can exist in this process either)."""
     if name in _originals:
         return True
-    if name == "torch_native":
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-        wrappers = _torch_native_wrappers(TorchNativeAttnBackend)
-    else:
-        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-        wrappers = _triton_wrappers(TritonAttnBackend)
-    _originals[name] = install_wrappers(wrappers)
+    entry = _hooked_backends()[name]
+    try:
+        module = importlib.import_module(entry.module)
+    except ImportError as exc:
+        logger.debug("semblend: %s hooks not installed (%s)", name, exc)
+        return False
+    _originals[name] = install_wrappers(entry.wrappers(getattr(module, entry.cls)))
     return True
 
 
-def install_attention_hooks(triton: bool = True) -> None:
-    """Install the torch_native hooks (and the triton ones when ``triton``); idempotent.
+def install_attention_hooks(triton: bool = True, gpu_backends: Iterable[str] | None = None) -> None:
+    """Install the torch_native hooks, the triton ones when ``triton``, and those of each name in
+    ``gpu_backends`` (default: every one in :data:`GPU_BACKENDS` when CUDA is available, none
+    otherwise; a backend whose module does not import is skipped); idempotent.
 
     Batches without a sparse request keep SGLang's path unless
     :func:`install_cpu_query_only_extend` turned on the query-only extend for every batch.
     """
+    if gpu_backends is None:
+        gpu_backends = GPU_BACKENDS if torch.cuda.is_available() else ()
+    names = {"torch_native", *gpu_backends} | ({"triton"} if triton else set())
     with _lock:
-        _install("torch_native")
-        if triton:
-            _install("triton")
+        for name in ("torch_native", *GPU_BACKENDS):
+            if name in names:
+                _install(name)
 
 
 def remove_attention_hooks() -> None:
@@ -444,24 +435,22 @@ def query_only_every_extend() -> bool:
 
 
 def hooks_installed(name: str) -> bool:
-    """True while the hooks for backend ``name`` ("torch_native" or "triton") are installed."""
+    """True while the hooks for backend ``name`` (a key of the hooked backends) are installed."""
     return name in _originals
 
 
 def sparse_extend_supported(backend: Any) -> bool:
-    """True iff ``backend`` (an attention backend instance) runs a sparse extend correctly.
-
-    That is: a ``TorchNativeAttnBackend`` without a sliding-window KV pool, or a
-    ``TritonAttnBackend`` with page size 1 and no DCP, deterministic mode, dLLM, MLA or sliding
-    window, in each case with this module's hooks installed. Any other backend (hybrid ones
-    included) is False: callers decline such requests as ``unsupported_cache``. Never raises.
+    """True iff ``backend`` (an attention backend instance) runs a sparse extend correctly: its
+    class is one of the hooked backends, its hooks are installed, and its own conditions hold
+    (torch_native: no sliding-window KV pool; triton: page size 1, no DCP, deterministic mode,
+    dLLM, MLA or sliding window; fa3: :func:`.attention_fa3.fa3_supported`). Any other backend
+    (hybrid ones included) is False: callers decline such requests as ``unsupported_cache``.
+    Never raises.
     """
     try:
-        name = type(backend).__name__
-        if name == "TorchNativeAttnBackend" and hooks_installed("torch_native"):
-            return not getattr(backend, "use_sliding_window_kv_pool", False)
-        if name == "TritonAttnBackend" and hooks_installed("triton"):
-            return _triton_supported(backend)
+        for name, entry in _hooked_backends().items():
+            if type(backend).__name__ == entry.cls and hooks_installed(name):
+                return bool(entry.supported(backend))
     except Exception:
         return False
     return False
@@ -516,7 +505,7 @@ def attention_supported() -> bool:
         logger.warning(
             "semblend: %s (served: %s); every plan is declined as %s",
             reason,
-            ", ".join(sorted(SPARSE_EXTEND_BACKENDS)),
+            ", ".join(sorted(_hooked_backends())),
             Reason.UNSUPPORTED_CACHE,
         )
     return False
