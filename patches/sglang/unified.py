@@ -46,6 +46,7 @@ from .adapter import HookTable, SglangAdapter
 from .attention import attention_supported
 from .donor_heads import DonorHeads
 from .held_donors import cache_reuse, held_of, held_store_tokens
+from .prefill_graph import prefill_graph_wrappers
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
@@ -82,12 +83,16 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.managers.schedule_policy import PrefillAdder
         from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.managers.scheduler_components import dp_attn
         from sglang.srt.managers.scheduler_components.internal_state import (
             SchedulerInternalStateController,
         )
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import (
+            PrefillCudaGraphRunner,
+        )
 
         adapter = self
         flow = self.flow
@@ -224,6 +229,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             (PrefillAdder, "add_one_req"): make_admit(PrefillAdder.add_one_req),
             (PrefillAdder, "add_chunked_req"): make_admit(PrefillAdder.add_chunked_req),
             **self.extend_wrappers(ScheduleBatch, ForwardBatch),
+            **prefill_graph_wrappers(PrefillCudaGraphRunner, dp_attn),
             **scheduler_wrappers(
                 flow,
                 Scheduler,
