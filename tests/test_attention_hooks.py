@@ -159,6 +159,8 @@ def test_sparse_extend_supported():
         assert attention.sparse_extend_supported(native)
         assert attention.sparse_extend_supported(triton)
         triton.page_size = 16
+        assert attention.sparse_extend_supported(triton)
+        triton.use_mla = True
         assert not attention.sparse_extend_supported(triton)
         native.use_sliding_window_kv_pool = True
         assert not attention.sparse_extend_supported(native)

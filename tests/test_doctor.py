@@ -45,15 +45,16 @@ def test_each_gpus_default_backend_is_named_with_its_reason(
     assert f"resolved for {gpu}" in out
 
 
-def test_triton_on_a_gpu_reuses_at_page_size_1_only(smollm2_model_dir: Path) -> None:
+def test_triton_and_fa3_on_a_gpu_reuse_at_every_page_size(smollm2_model_dir: Path) -> None:
     model = ("--model-path", str(smollm2_model_dir))
-    code, out = _doctor("--assume-gpu", "a100", "--attention-backend", "triton", *model)
-    assert code == 0 and "reuse: on  [backend triton, page size 1]" in _prefill_line(out), out
-    code, out = _doctor(
-        "--assume-gpu", "a100", "--attention-backend", "triton", "--page-size", "16", *model
-    )
-    assert code == 0, out
-    assert "reuse: off (triton at --page-size 16:" in _prefill_line(out), out
+    for gpu, backend in (("a100", "triton"), ("h100", "fa3")):
+        for page in ("1", "16", "64"):
+            code, out = _doctor(
+                "--assume-gpu", gpu, "--attention-backend", backend, "--page-size", page, *model
+            )
+            assert code == 0, out
+            line = _prefill_line(out)
+            assert f"reuse: on  [backend {backend}, page size {page}]" in line, out
 
 
 def test_this_machine_torch_native_reuses_at_any_page_size(smollm2_model_dir: Path) -> None:

@@ -33,7 +33,7 @@ INTERPRETED = triton_interpreted()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in test_kernel_tests_under_the_interpreter's child process"
 )
-KERNEL_TESTS = 26  # tests the child must pass: 22 needs_interpreter cases + 4 without the mark
+KERNEL_TESTS = 30  # tests the child must pass: 26 needs_interpreter cases + 4 without the mark
 BLOCK = 16  # BLOCK_M = BLOCK_N in the kernel-level tests: queries span several causal tiles
 
 
@@ -227,6 +227,24 @@ def test_few_long_runs_split_and_many_short_runs_mask():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("kind", ["sparse_runs", "sparse"])
+def test_real_triton_backend_at_a_page_size_above_1(hooks: Any, page_size: int, kind: str):
+    """At page size 16 and 64 (rows in whole pages, the kernel addressing the paged pool by
+    page and offset), either path equals the dense reference."""
+    from tests.harness import triton_backend
+
+    kinds = (kind, "cold", "exact", "sparse_chunk")
+    batch = random_batch(
+        3, n_requests=4, min_len=12, max_len=90, heads=(4, 2), kinds=kinds, page_size=page_size
+    )
+    triton = triton_backend.backend(batch, page_size=page_size)
+    assert hooks.sparse_extend_supported(triton)
+    out = triton_backend.forward(batch, triton=triton)
+    torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
+
+
+@needs_interpreter
 def test_more_runs_than_the_request_pool_has_rows(hooks: Any):
     """SGLang sizes the per-sequence buffers by the request pool; a split view may hold more
     sequences. The hook lends larger buffers for the call and puts the originals back."""
@@ -279,7 +297,7 @@ def test_without_the_hooks_a_sparse_batch_is_wrong(hooks: Any):
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "what", ["dcp", "page_size", "encoder_only", "sliding_window", "no_positions", "graph"]
+    "what", ["dcp", "deterministic", "encoder_only", "sliding_window", "no_positions", "graph"]
 )
 def test_hooks_refuse_what_the_split_view_cannot_carry(hooks: Any, what: str):
     from sglang.srt.layers.radix_attention import AttentionType
@@ -292,8 +310,8 @@ def test_hooks_refuse_what_the_split_view_cannot_carry(hooks: Any, what: str):
     fb = forward_batch(sparse)
     if what == "dcp":
         triton.dcp_size = 2
-    elif what == "page_size":
-        triton.page_size = 16
+    elif what == "deterministic":
+        triton.enable_deterministic = True
     elif what == "encoder_only":
         layer_kw["attn_type"] = AttentionType.ENCODER_ONLY
     elif what == "sliding_window":

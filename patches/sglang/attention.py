@@ -80,14 +80,13 @@ UNSERVED_BACKENDS: dict[str, str] = {
 
 def backend_reuse_reason(backend: str, page_size: int) -> str | None:
     """Why a sparse extend cannot run on prefill backend ``backend`` at ``page_size``, or None
-    when it can. Read by the doctor and by :func:`attention_supported`; the per-instance
-    conditions are :func:`sparse_extend_supported`'s."""
+    when it can (every hooked backend serves every page size SGLang allows it). Read by the
+    doctor and by :func:`attention_supported`; the per-instance conditions are
+    :func:`sparse_extend_supported`'s."""
     entry = _hooked_backends().get(backend)
     if entry is None:
         why = UNSERVED_BACKENDS.get(backend, "not a backend the split view is tested on")
         return f"attention backend {backend}: {why}"
-    if entry.page_one_only and page_size != 1:
-        return f"{backend} at --page-size {page_size}: the split view is tested at page size 1 only"
     return None
 
 
@@ -246,7 +245,6 @@ def _triton_supported(backend: Any) -> bool:
         and not getattr(backend, "enable_deterministic", False)
         and getattr(backend, "dllm_attention", None) is None
         and not getattr(backend, "use_mla", False)
-        and backend_reuse_reason("triton", int(getattr(backend, "page_size", 1))) is None
         and (swa is None or swa <= 0)
         and not getattr(backend, "use_sliding_window_kv_pool", False)
     )
@@ -339,14 +337,13 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
 @dataclasses.dataclass(frozen=True)
 class HookedBackend:
     """One SGLang attention backend class the sparse-extend hooks serve: where it lives, the
-    wrappers of its methods (built from the current originals), whether an instance can carry a
-    sparse extend with the hooks installed, and the page sizes it is tested at (None: any)."""
+    wrappers of its methods (built from the current originals), and whether an instance can carry
+    a sparse extend with the hooks installed (every page size SGLang allows)."""
 
     module: str
     cls: str
     wrappers: Callable[[type], dict[tuple[type, str], Any]]
     supported: Callable[[Any], bool]
-    page_one_only: bool = False
 
 
 def _hooked_backends() -> dict[str, HookedBackend]:
@@ -364,7 +361,6 @@ def _hooked_backends() -> dict[str, HookedBackend]:
             "TritonAttnBackend",
             _triton_wrappers,
             _triton_supported,
-            page_one_only=True,
         ),
         "fa3": HookedBackend(
             "sglang.srt.layers.attention.flashattention_backend",

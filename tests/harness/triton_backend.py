@@ -3,7 +3,8 @@
 
 `backend` builds the class without a model runner (its `__init__` needs a CUDA/runtime context):
 it sets exactly the attributes `init_forward_metadata`'s extend branch and `forward_extend`'s
-paged-extend path read, with SGLang's values for a plain MHA model at page size 1, and SGLang's
+paged-extend path read, with SGLang's values for a plain MHA model at the page size asked for,
+and SGLang's
 own `KVIndexTranslator`, `MHATokenToKVPool` and `extend_attention_fwd`. Its per-sequence buffers
 are sized by ``max_bs`` as SGLang sizes them by the request pool. `forward` runs the two methods
 (hooked or not, whatever is installed) and returns the attention output.
@@ -34,8 +35,9 @@ def layer(batch: Batch, **kw: Any) -> SimpleNamespace:
     return attention_backend.layer(batch, **{**extra, **kw})
 
 
-def backend(batch: Batch, max_bs: int = 8) -> Any:
-    """A `TritonAttnBackend` over the batch's rows and a real KV pool holding its cache."""
+def backend(batch: Batch, max_bs: int = 8, page_size: int = 1) -> Any:
+    """A `TritonAttnBackend` over the batch's rows and a real KV pool holding its cache at
+    ``page_size`` (the batch's rows laid out in whole pages when it is > 1)."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -43,7 +45,7 @@ def backend(batch: Batch, max_bs: int = 8) -> Any:
     slots, hkv, d = batch.k_cache.shape
     pool = MHATokenToKVPool(
         size=slots,
-        page_size=1,
+        page_size=page_size,
         dtype=batch.k_cache.dtype,
         head_num=hkv,
         head_dim=d,
@@ -70,7 +72,7 @@ def backend(batch: Batch, max_bs: int = 8) -> Any:
         "use_dense_fp8_chunked_prefill": False,
         "use_verify_splitkv": False,
         "use_verify_shared_kv": False,
-        "page_size": 1,
+        "page_size": page_size,
         "device": "cpu",
         "max_context_len": batch.req_to_token.shape[1],
         "req_to_token": batch.req_to_token,
@@ -80,7 +82,7 @@ def backend(batch: Batch, max_bs: int = 8) -> Any:
             req_to_token=batch.req_to_token,
             token_to_kv_pool_allocator=None,
             token_to_kv_pool=pool,
-            page_size=1,
+            page_size=page_size,
             device="cpu",
         ),
         "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32),
