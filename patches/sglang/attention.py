@@ -67,8 +67,12 @@ UNSERVED_BACKENDS: dict[str, str] = {
     "flashinfer": "its ragged prefill reads the prefix before this pass's KV is saved; the "
     "paged-only path for split batches is not built yet",
     "trtllm_mha": "its page-table metadata is not yet tested with the split view",
-    "aiter": "its several prefill paths are not yet read for the split view",
-    "fa4": "not yet tested with the split view",
+    "aiter": "ROCm; its extend picks among several paths per batch (flash_attn_varlen_func over "
+    "this pass's fresh K/V, mha_batch_prefill over the paged pool, fp8 prefill), and the "
+    "fresh-K/V ones would miss earlier runs' KV as flashinfer's ragged path does; the aiter "
+    "kernels do not import without ROCm, so no path is tested with the split view",
+    "fa4": "a different kernel (CuTe DSL, FA4) behind the same FlashAttentionBackend class; "
+    "not tested with the split view (fa3 is)",
     "flashmla": "MLA: its compressed KV cache is not copied",
     "cutlass_mla": "MLA: its compressed KV cache is not copied",
     "trtllm_mla": "MLA: its compressed KV cache is not copied",

@@ -1,0 +1,124 @@
+"""The split view on torch_native beside today's CPU path, on the real CPU server (docs/perf.md,
+"Split view on the CPU server").
+
+Two semblend (exact_spans) servers side by side: ``query_only`` (the CPU runtime's default: every
+extend batch runs the query-only extend on the real batch, masked by position) and
+``split_view`` (``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``: SGLang's own SDPA extend, a batch with a
+sparse request handed over as its split view). For each built-in workload's groups at each
+``--tokens`` (cut to fit SmolLM2's context as the bench does), on each server in turn (order
+alternating per repeat): flush, send the donors, then the probe (one token, greedy). Printed per
+cell: each server's probe TTFT median and range, the split/query-only TTFT ratio per repeat
+(paired) and whether both servers reused and gave the same first token.
+
+    .venv/bin/python scripts/split_view_cpu_ttft.py [--tokens 1024,2048] [--repeats 3]
+        [--workloads cross_instruction,rag] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import click
+
+SETUPS = {"query_only": {}, "split_view": {"SEMBLEND_CPU_QUERY_ONLY_EXTEND": "0"}}
+
+
+@click.command()
+@click.option("--tokens", default="1024,2048", show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--groups", default=2, show_default=True)
+@click.option("--workloads", default="cross_instruction,rag", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+def main(tokens: str, repeats: int, groups: int, workloads: str, json_path: Path | None) -> None:
+    """Probe TTFT through the split view and through the query-only extend, side by side."""
+    from semblend_sglang.cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from transformers import AutoTokenizer
+
+    from semblend_sglang.bench.builtin_workloads import build_workload, fitting_length
+    from semblend_sglang.bench.client import ServerClient
+    from semblend_sglang.bench.e2e import model_context_length
+    from semblend_sglang.bench.e2e_runner import GREEDY_TOKENS, outcome_delta
+    from semblend_sglang.bench.report import environment
+    from semblend_sglang.bench.systems import start_servers
+    from semblend_sglang.data import essay_texts
+    from semblend_sglang.model_prep import prepare_model
+
+    model = str(prepare_model())
+    tok = AutoTokenizer.from_pretrained(model)
+    window = model_context_length(model) or 8192
+    logs = Path("bench-results") / "split-view-cpu"
+    pool = ["--mem-fraction-static", "0.8", "--max-total-tokens", "32768"]
+    servers = {}
+    cells: list[dict[str, object]] = []
+    try:
+        for name, env in SETUPS.items():
+            servers[name] = start_servers(["exact_spans"], model, pool, logs / name, env)[
+                "exact_spans"
+            ]
+        clients = {name: ServerClient(srv.url) for name, srv in servers.items()}
+        for length_text in tokens.split(","):
+            length = fitting_length(int(length_text), window, GREEDY_TOKENS)
+            for workload_name in workloads.split(","):
+                workload = build_workload(workload_name, tok, essay_texts(), length, groups, 11)
+                rows: dict[str, list[dict[str, object]]] = {name: [] for name in SETUPS}
+                for r in range(repeats):
+                    for group in workload.groups:
+                        probe = group.probes[0].prompt_ids
+                        order = list(SETUPS) if r % 2 == 0 else list(reversed(SETUPS))
+                        for name in order:
+                            client = clients[name]
+                            client.flush()
+                            for donor in group.donors:
+                                client.generate(donor.prompt_ids, 1)
+                            before = client.snapshot()
+                            answer = client.generate(probe, 1)
+                            outcome, reused = outcome_delta(before, client.snapshot())
+                            rows[name].append(
+                                {
+                                    "ttft_ms": 1000 * answer.ttft_s,
+                                    "reused": reused,
+                                    "outcome": outcome,
+                                    "first_token": list(answer.output_ids[:1]),
+                                }
+                            )
+                cells.append(_report(workload_name, length, rows))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        report = {"environment": environment(model=model), "setups": SETUPS, "cells": cells}
+        json_path.write_text(json.dumps(report, indent=1))
+
+
+def _report(workload: str, length: int, rows: dict[str, list[dict[str, object]]]) -> dict:
+    """Print one cell's line and return it as a dict."""
+    q, s = rows["query_only"], rows["split_view"]
+    ratios = [float(b["ttft_ms"]) / float(a["ttft_ms"]) for a, b in zip(q, s, strict=True)]
+    same = sum(a["first_token"] == b["first_token"] for a, b in zip(q, s, strict=True))
+    hits = {name: sum(int(x["reused"]) > 0 for x in got) for name, got in rows.items()}
+    medians = {
+        name: statistics.median(float(x["ttft_ms"]) for x in got) for name, got in rows.items()
+    }
+    click.echo(
+        f"{workload:17s} {length:5d}  query_only {medians['query_only']:7.0f} ms  split_view "
+        f"{medians['split_view']:7.0f} ms  split/query-only median {statistics.median(ratios):.3f}"
+        f" (min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)})  hits {hits}  "
+        f"same first token {same}/{len(ratios)}"
+    )
+    return {
+        "workload": workload,
+        "tokens": length,
+        "rows": rows,
+        "ratios": ratios,
+        "hits": hits,
+        "same_first_token": same,
+    }
+
+
+if __name__ == "__main__":
+    main()
