@@ -16,9 +16,11 @@ ensure_torchvision_importable()
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
 
+from semblend_sglang.patches.sglang import split_view  # noqa: E402
 from semblend_sglang.patches.sglang.split_view import (  # noqa: E402
     VIEW_ATTR,
     computed_runs,
+    is_sparse_batch,
     split_sequences,
     split_view_of,
 )
@@ -109,6 +111,25 @@ def test_the_view_is_built_once_per_batch_and_rebuilt_when_positions_change():
     second = split_view_of(fb)
     assert second is not first
     assert second.sequences is not None and second.sequences.prefix == [2, 1, 8]
+
+
+def test_the_sparse_answer_is_read_once_per_batch_until_a_length_field_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Every attention layer asks is_sparse_batch; the host reads of the lengths (a device sync
+    on a GPU without CPU mirrors) happen once per forward, and again only when the check layer
+    replaces a length field."""
+    reads = []
+    real = split_view.batch_lens
+    monkeypatch.setattr(split_view, "batch_lens", lambda fb: reads.append(1) or real(fb))
+    fb = _fb([2, 1], [3, 5], [5, 10], [2, 3, 4, 1, 2, 5, 8, 9])
+    assert all(is_sparse_batch(fb) for _ in range(5)) and len(reads) == 1
+    fb.extend_seq_lens_cpu = [3, 9]  # request 1 now computes all of [1, 10): not sparse
+    fb.extend_seq_lens = torch.tensor([3, 9])
+    fb.positions = torch.tensor([2, 3, 4, *range(1, 10)])
+    assert not is_sparse_batch(fb) and len(reads) == 2
+    ordinary = _fb([0, 4], [5, 2], [5, 6], [0, 1, 2, 3, 4, 4, 5])
+    assert not any(is_sparse_batch(ordinary) for _ in range(3)) and len(reads) == 3
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,22 @@ queries by 64 keys)."""
 VIEW_ATTR = "_semblend_split_view"
 """Attribute of a ForwardBatch holding its :class:`SplitView` (set by :func:`split_view_of`)."""
 
+SPARSE_ATTR = "_semblend_is_sparse"
+"""Attribute of a ForwardBatch holding :func:`is_sparse_batch`'s answer for its current fields."""
+
+LEN_FIELDS = (
+    "positions",
+    "extend_prefix_lens",
+    "extend_prefix_lens_cpu",
+    "extend_seq_lens",
+    "extend_seq_lens_cpu",
+    "seq_lens",
+    "seq_lens_cpu",
+)
+"""The ForwardBatch fields a batch's split is computed from. SGLang and the check layer replace
+them (new objects) rather than edit them in place, so a kept answer is valid while each field is
+the same object."""
+
 
 @dataclass(frozen=True)
 class SplitSequences:
@@ -73,15 +89,39 @@ def batch_lens(forward_batch: Any) -> tuple[list[int], list[int], list[int]] | N
     return prefix, extend, seq
 
 
+def _fields(forward_batch: Any) -> tuple[Any, ...]:
+    return tuple(getattr(forward_batch, name, None) for name in LEN_FIELDS)
+
+
+def _kept(forward_batch: Any, attr: str) -> Any | None:
+    """What ``attr`` holds for the batch's current :data:`LEN_FIELDS` objects, or None."""
+    kept = getattr(forward_batch, attr, None)
+    if kept is None:
+        return None
+    fields, value = kept
+    now = _fields(forward_batch)
+    if len(fields) == len(now) and all(a is b for a, b in zip(fields, now, strict=True)):
+        return value
+    return None
+
+
 def is_sparse_batch(forward_batch: Any) -> bool:
     """True when an extend batch holds a request with ``prefix_len + extend_len != seq_len``;
-    False for any batch without those fields (decode, idle)."""
+    False for any batch without those fields (decode, idle). Every attention layer asks: the
+    answer is kept on the batch (:data:`SPARSE_ATTR`) while its length fields are the same
+    objects, so the host reads of :func:`batch_lens` happen once per forward."""
     if not forward_batch.forward_mode.is_extend():
         return False
+    kept = _kept(forward_batch, SPARSE_ATTR)
+    if kept is not None:
+        return bool(kept)
     lens = batch_lens(forward_batch)
-    if lens is None:
-        return False
-    return any(m + c != n for m, c, n in zip(*lens, strict=True))
+    sparse = lens is not None and any(m + c != n for m, c, n in zip(*lens, strict=True))
+    try:
+        setattr(forward_batch, SPARSE_ATTR, (_fields(forward_batch), sparse))
+    except AttributeError:  # a batch that takes no attributes: no cache
+        pass
+    return sparse
 
 
 def computed_runs(positions: torch.Tensor | list[int]) -> list[tuple[int, int]]:
@@ -148,6 +188,7 @@ def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
     idx = torch.tensor(seqs.request, dtype=torch.int64, device=fb.req_pool_indices.device)
     view = copy.copy(fb)
     view.__dict__.pop(VIEW_ATTR, None)  # a stale view of the real batch, copied along
+    view.__dict__.pop(SPARSE_ATTR, None)
     view.batch_size = len(seqs.request)
     view.req_pool_indices = fb.req_pool_indices.index_select(0, idx)
     cpu_rows = getattr(fb, "req_pool_indices_cpu", None)
@@ -176,19 +217,18 @@ def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
 
 def split_view_of(forward_batch: Any) -> SplitView:
     """The batch's :class:`SplitView`, built once per ForwardBatch object and kept on it
-    (:data:`VIEW_ATTR`); rebuilt when its ``positions`` or lengths changed. ``batch`` is None for
-    a batch without a sparse request (the backend gets the real batch). Raises ValueError as
-    :func:`split_sequences`."""
-    key = (id(forward_batch.positions), batch_lens(forward_batch))
-    kept = getattr(forward_batch, VIEW_ATTR, None)
-    if kept is not None and kept[0] == key:
-        return kept[1]
+    (:data:`VIEW_ATTR`); rebuilt when one of its :data:`LEN_FIELDS` was replaced (the check
+    layer shrinking the batch). ``batch`` is None for a batch without a sparse request (the
+    backend gets the real batch). Raises ValueError as :func:`split_sequences`."""
+    kept = _kept(forward_batch, VIEW_ATTR)
+    if kept is not None:
+        return kept
     if not forward_batch.forward_mode.is_extend():
         view = SplitView(None, None)
     else:
         seqs = split_sequences(forward_batch)
         view = SplitView(None if seqs is None else build_view(forward_batch, seqs), seqs)
-    setattr(forward_batch, VIEW_ATTR, (key, view))
+    setattr(forward_batch, VIEW_ATTR, (_fields(forward_batch), view))
     return view
 
 
