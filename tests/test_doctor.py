@@ -26,7 +26,7 @@ def _prefill_line(output: str) -> str:
 
 @pytest.mark.parametrize(
     ("gpu", "backend", "page", "reuse"),
-    [("h100", "fa3", 1, True), ("a100", "flashinfer", 1, False), ("b200", "trtllm_mha", 64, False)],
+    [("h100", "fa3", 1, True), ("a100", "flashinfer", 1, True), ("b200", "trtllm_mha", 64, True)],
 )
 def test_each_gpus_default_backend_is_named_with_its_reason(
     smollm2_model_dir: Path, gpu: str, backend: str, page: int, reuse: bool

@@ -72,14 +72,14 @@ def sglang_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def hooks(sglang_flashinfer: Any) -> Iterator[Any]:
-    from semblend_sglang.patches.sglang import attention_flashinfer
-    from semblend_sglang.patches.sglang.wrapping import install_wrappers, restore
+    from semblend_sglang.patches.sglang import attention, attention_flashinfer
 
-    originals = install_wrappers(
-        attention_flashinfer.flashinfer_wrappers(sglang_flashinfer.FlashInferAttnBackend)
-    )
-    yield attention_flashinfer
-    restore(originals)
+    attention.install_attention_hooks(triton=False, gpu_backends=("flashinfer",))
+    try:
+        assert attention.hooks_installed("flashinfer")
+        yield attention_flashinfer
+    finally:
+        attention.remove_attention_hooks()
 
 
 def _sparse(seed: int, page_size: int, **kw: Any) -> Any:
@@ -260,15 +260,16 @@ def test_more_runs_than_the_request_pool_has_rows_flashinfer_paged_standin(hooks
 
 @needs_interpreter
 def test_the_real_batch_is_left_unchanged_flashinfer_paged_standin(hooks: Any):
-    from semblend_sglang.patches.sglang.split_view import VIEW_ATTR
+    from semblend_sglang.patches.sglang.split_view import SPARSE_ATTR, VIEW_ATTR
     from tests.harness import flashinfer_backend as fi
 
+    kept = (VIEW_ATTR, SPARSE_ATTR)  # what the split view keeps on the batch for later layers
     batch = _sparse(0, 16)
     fb = fi.extend_batch(batch)
-    before = {k: v for k, v in vars(fb).items() if k != VIEW_ATTR}
+    before = {k: v for k, v in vars(fb).items() if k not in kept}
     snapshot = {k: v.clone() for k, v in before.items() if isinstance(v, torch.Tensor)}
     fi.forward(fi.flashinfer(batch, 16), batch, fb=fb)
-    after = {k: v for k, v in vars(fb).items() if k != VIEW_ATTR}
+    after = {k: v for k, v in vars(fb).items() if k not in kept}
     assert after.keys() == before.keys()
     for key, value in before.items():
         assert after[key] is value, key

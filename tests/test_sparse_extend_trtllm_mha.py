@@ -73,14 +73,14 @@ def sglang_trtllm(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def hooks(sglang_trtllm: Any) -> Iterator[Any]:
-    from semblend_sglang.patches.sglang import attention_flashinfer
-    from semblend_sglang.patches.sglang.wrapping import install_wrappers, restore
+    from semblend_sglang.patches.sglang import attention, attention_flashinfer
 
-    originals = install_wrappers(
-        attention_flashinfer.trtllm_mha_wrappers(sglang_trtllm.TRTLLMHAAttnBackend)
-    )
-    yield attention_flashinfer
-    restore(originals)
+    attention.install_attention_hooks(triton=False, gpu_backends=("trtllm_mha",))
+    try:
+        assert attention.hooks_installed("trtllm_mha")
+        yield attention_flashinfer
+    finally:
+        attention.remove_attention_hooks()
 
 
 def _batch(seed: int, page_size: int, **kw: Any) -> Any:
@@ -197,15 +197,16 @@ def test_without_the_hooks_a_sparse_batch_is_wrong_trtllm_context_standin(sglang
 
 @needs_interpreter
 def test_the_real_batch_is_left_unchanged_trtllm_context_standin(hooks: Any):
-    from semblend_sglang.patches.sglang.split_view import VIEW_ATTR
+    from semblend_sglang.patches.sglang.split_view import SPARSE_ATTR, VIEW_ATTR
     from tests.harness import flashinfer_backend as fi
 
     batch = _batch(0, 16)
     fb = fi.extend_batch(batch)
-    before = {k: v for k, v in vars(fb).items() if k != VIEW_ATTR}
+    kept = (VIEW_ATTR, SPARSE_ATTR)  # what the split view keeps on the batch for later layers
+    before = {k: v for k, v in vars(fb).items() if k not in kept}
     snapshot = {k: v.clone() for k, v in before.items() if isinstance(v, torch.Tensor)}
     fi.forward(fi.trtllm(batch, 16), batch, fb=fb)
-    after = {k: v for k, v in vars(fb).items() if k != VIEW_ATTR}
+    after = {k: v for k, v in vars(fb).items() if k not in kept}
     assert after.keys() == before.keys()
     for key, value in before.items():
         assert after[key] is value, key

@@ -64,9 +64,6 @@ CPU_QUERY_ONLY_ENV = "SEMBLEND_CPU_QUERY_ONLY_EXTEND"
 """Set to 0 to keep SGLang's torch_native extend on a CPU runtime (default on)."""
 
 UNSERVED_BACKENDS: dict[str, str] = {
-    "flashinfer": "its ragged prefill reads the prefix before this pass's KV is saved; the "
-    "paged-only path for split batches is not built yet",
-    "trtllm_mha": "its page-table metadata is not yet tested with the split view",
     "aiter": "ROCm; its extend picks among several paths per batch (flash_attn_varlen_func over "
     "this pass's fresh K/V, mha_batch_prefill over the paged pool, fp8 prefill), and the "
     "fresh-K/V ones would miss earlier runs' KV as flashinfer's ragged path does; the aiter "
@@ -352,6 +349,12 @@ class HookedBackend:
 
 def _hooked_backends() -> dict[str, HookedBackend]:
     from .attention_fa3 import fa3_supported, fa3_wrappers
+    from .attention_flashinfer import (
+        flashinfer_supported,
+        flashinfer_wrappers,
+        trtllm_mha_supported,
+        trtllm_mha_wrappers,
+    )
 
     return {
         "torch_native": HookedBackend(
@@ -372,10 +375,22 @@ def _hooked_backends() -> dict[str, HookedBackend]:
             fa3_wrappers,
             fa3_supported,
         ),
+        "flashinfer": HookedBackend(
+            "sglang.srt.layers.attention.flashinfer_backend",
+            "FlashInferAttnBackend",
+            flashinfer_wrappers,
+            flashinfer_supported,
+        ),
+        "trtllm_mha": HookedBackend(
+            "sglang.srt.layers.attention.trtllm_mha_backend",
+            "TRTLLMHAAttnBackend",
+            trtllm_mha_wrappers,
+            trtllm_mha_supported,
+        ),
     }
 
 
-GPU_BACKENDS = ("triton", "fa3")
+GPU_BACKENDS = ("triton", "fa3", "flashinfer", "trtllm_mha")
 """Hooked backends besides torch_native; their modules are imported only where they are
 installed (:func:`install_attention_hooks`)."""
 
