@@ -1,5 +1,6 @@
-"""Attention-backend hooks for a sparse extend (sglang 0.5.23 ``TorchNativeAttnBackend``,
-``TritonAttnBackend``), and the CPU runtime's query-only extend.
+"""Attention-backend hooks for a sparse extend, the registry of the backends they serve
+(sglang 0.5.23's torch_native, triton, fa3, flashinfer, trtllm_mha), and the CPU runtime's
+query-only extend.
 
 A *sparse* request in an EXTEND batch is one with ``extend_prefix_len + extend_seq_len !=
 seq_len``: its row ``req_to_token[row, 0:n]`` holds every position in order, its computed
@@ -20,6 +21,11 @@ sparse request as its own extend sequence). Batches without a sparse request are
   metadata for the real batch is replaced by :func:`build_sparse_extend_metadata`'s and the
   kernel runs with ``skip_prefix_custom_mask=False``. Many short runs make the split view slow
   (each run reads its whole prefix again): measured on an H200, docs/perf.md.
+- fa3 (:mod:`.attention_fa3`), flashinfer and trtllm_mha (:mod:`.attention_flashinfer`; a
+  flashinfer batch holding a sparse request is planned on its paged path, never the ragged one):
+  the split view through their own metadata and kernel call, at every page size.
+
+A batch holding a sparse request never replays the prefill CUDA graph (:mod:`.prefill_graph`).
 
 SGLang's own path is kept for what this cannot match (cross or encoder-only attention, sliding
 window, encoder lens, no 1-D ``positions``, speculative modes); a sparse batch that reaches such a
