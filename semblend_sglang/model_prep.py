@@ -97,7 +97,7 @@ def prepare_model(cache_dir: Path | None = None, force: bool = False) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_FOLDER_NAME}-", dir=root))
     try:
-        _convert(gguf, tmp)
+        convert_gguf(gguf, tmp)
         (tmp / MARKER).write_text(json.dumps(_marker_for(gguf), indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -115,7 +115,16 @@ def prepared_model_dir() -> Path:
     return prepare_model()
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Write the HF folder of ``gguf`` into the existing, empty folder ``out``: bf16 safetensors
+    (the tied head left out), config.json, generation config and tokenizer.
+
+    The manual state-dict path (transformers 5.19 refuses ``save_pretrained`` on a GGUF-loaded
+    model); works for any architecture transformers' GGUF loader maps (Llama, Qwen2 with its
+    q/k/v biases and an untied ``output.weight``). Called by :func:`prepare_model` and
+    :func:`semblend_sglang.model_parts.prepare_split_model`, which own the temporary folder and
+    the rename into place; this function writes no marker and cleans up nothing.
+    """
     from .cpu_runtime import ensure_torchvision_importable
 
     ensure_torchvision_importable()
