@@ -191,6 +191,13 @@ class Config:
         "at it and only the selected reused positions are computed after it.",
         minimum=0,
     )
+    recompute_min_deviation: float = setting(
+        0.0,
+        "deviation/query: recompute a reused position only when its relative K/V deviation at "
+        "the check layer is at least this, so the ratio is a per-request ceiling (0: the ratio "
+        "is spent on every request).",
+        minimum=0.0,
+    )
     quality_gate: float = setting(
         0.0,
         "deviation/query: recompute every reused position (declined:quality_gate) when the mean "

@@ -12,6 +12,10 @@ rest keep the donor's KV. Strategies (:class:`RecomputeStrategy`):
 - ``query``: as ``deviation``, ranked instead by the attention the request's last computed
   tokens pay each reused key at the check layer (ProphetKV-style; :func:`query_attention`).
 
+With a *minimum deviation* the budget is per request (:func:`select`): only reused positions
+whose K/V moved at least that much at the check layer are recomputed, up to the ratio, so spans
+that behave like an exact prefix cost nothing after the check layer.
+
 The *quality gate* (:func:`gate`) looks at what stays approximate after the selection: when the
 mean deviation of the reused positions left unrecomputed exceeds the threshold, every one of them
 is recomputed (the request ends ``declined:quality_gate``).
@@ -135,11 +139,24 @@ def gate(deviation: torch.Tensor, chosen: torch.Tensor, threshold: float) -> tup
 
 
 def select(
-    scores: torch.Tensor, deviation: torch.Tensor, ratio: float, threshold: float
+    scores: torch.Tensor,
+    deviation: torch.Tensor,
+    ratio: float,
+    threshold: float,
+    min_deviation: float = 0.0,
 ) -> Selection:
     """One request's :class:`Selection`: the top :func:`budget` candidates by ``scores``, or
-    every candidate when :func:`gate` on ``deviation`` refuses what is left."""
-    chosen = top(scores, budget(int(scores.numel()), ratio))
+    every candidate when :func:`gate` on ``deviation`` refuses what is left.
+
+    With ``min_deviation`` > 0 the budget is per request: only candidates whose ``deviation``
+    is at least ``min_deviation`` may be chosen, so a request whose reused KV barely moved pays
+    nothing and ``ratio`` becomes a ceiling."""
+    count = budget(int(scores.numel()), ratio)
+    if min_deviation > 0.0:
+        eligible = deviation >= min_deviation
+        count = min(count, int(eligible.sum()))
+        scores = torch.where(eligible, scores.float(), torch.full_like(scores.float(), -1.0))
+    chosen = top(scores, count)
     refused, residual = gate(deviation, chosen, threshold)
     if refused:
         chosen = torch.arange(scores.numel(), dtype=torch.int64, device=scores.device)

@@ -112,6 +112,22 @@ def test_select_takes_the_budget_by_score_and_everything_when_gated() -> None:
     assert gated.gated and gated.recompute.tolist() == list(range(10))
 
 
+def test_a_minimum_deviation_makes_the_ratio_a_per_request_ceiling() -> None:
+    """Only candidates whose K/V moved at least the minimum are recomputed, at most the ratio's
+    budget, best score first; a request whose reused KV barely moved recomputes nothing."""
+    deviation = torch.tensor([0.1, 0.5, 0.2, 0.4, 0.3, 0.0, 0.05, 0.6, 0.01, 0.02])
+    capped = recompute.select(deviation, deviation, 0.3, 0.0, min_deviation=0.25)
+    assert capped.recompute.tolist() == [1, 3, 7]  # four qualify, the ceiling takes three
+    few = recompute.select(deviation, deviation, 0.5, 0.0, min_deviation=0.45)
+    assert few.recompute.tolist() == [1, 7]  # under the ceiling: just the two that moved
+    calm = recompute.select(deviation, deviation, 0.5, 0.0, min_deviation=0.9)
+    assert calm.recompute.numel() == 0 and not calm.gated
+    assert math.isclose(calm.residual_deviation, float(deviation.mean()))
+    by_query = recompute.select(torch.arange(10.0), deviation, 0.5, 0.0, min_deviation=0.25)
+    assert by_query.recompute.tolist() == [1, 3, 4, 7]  # eligible by deviation, ranked by query
+    assert recompute.select(deviation, deviation, 0.3, 0.0, 0.0).recompute.tolist() == [1, 3, 7]
+
+
 def test_only_heads_needs_no_check_layer() -> None:
     assert not RecomputeStrategy.HEADS.uses_check_layer
     assert RecomputeStrategy.DEVIATION.uses_check_layer

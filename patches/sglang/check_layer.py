@@ -222,7 +222,11 @@ class LayerHook:
                     q3[tail.to(device)], k3[rows], float(attn.scaling)
                 )
             selection = recompute.select(
-                scores, deviation, config.recompute_ratio, config.quality_gate
+                scores,
+                deviation,
+                config.recompute_ratio,
+                config.quality_gate,
+                config.recompute_min_deviation,
             )
             dropped = torch.ones(rows.numel(), dtype=torch.bool, device=device)
             dropped[selection.recompute] = False

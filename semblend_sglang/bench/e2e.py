@@ -67,7 +67,8 @@ with ``--url``); every record is also appended to ``<json stem>.records.jsonl`` 
 8: the QA workloads (``qa_rag``, ``qa_rag_corpus``): records carry ``gold`` (the probe's gold
 answer: ``kind``, ``answers``, ``dataset``; null for other workloads); summary rows carry
 ``qa_probes``, ``qa_span_probes`` and per scored source (cold, exact_same_length, exact_spans,
-substitute, exact_spans_sglang_dispatch) ``_accuracy``, ``_f1`` and ``_qa_n``."""
+substitute, exact_spans_sglang_dispatch) ``_accuracy``, ``_f1`` and ``_qa_n``; and per semblend
+system ``_recompute_min_deviation`` (resolved; None: not reported)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

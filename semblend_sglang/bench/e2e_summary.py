@@ -43,6 +43,7 @@ RECOMPUTE_SETTINGS = (
     "recompute_strategy",
     "recompute_ratio",
     "recompute_check_layer",
+    "recompute_min_deviation",
     "quality_gate",
 )
 """The resolved settings (keys of the server's snapshot ``config``) each semblend system's rows
