@@ -58,6 +58,22 @@ def gated_server(
 
 
 @pytest.fixture(scope="module")
+def floor_server(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangServer]:
+    """deviation with a minimum deviation no K/V moves by: every request's budget is zero."""
+    log = tmp_path_factory.mktemp("recompute-floor") / "server.log"
+    env = {
+        "SEMBLEND_ENABLED": "1",
+        "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
+        "SEMBLEND_RECOMPUTE_RATIO": "0.3",
+        "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "1e6",
+    }
+    with healthy_server(smollm2_model_dir, log, env) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer: Any, essay_texts: list[str]) -> tuple[list[int], list[int]]:
     """(donor, target): two instructions in front of the same 900-token essay passage."""
     enc = smollm2_tokenizer.encode
@@ -116,6 +132,26 @@ def test_a_deviation_selection_answers_like_its_dense_reference(
     dense = _answer(url, target, reference=True)
     after = semblend_totals(url)
     assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
+    _assert_same_answer(sparse, dense)
+
+
+def test_a_request_under_the_minimum_deviation_recomputes_nothing_after_the_check(
+    floor_server: SglangServer, prompts: tuple[list[int], list[int]]
+) -> None:
+    """The per-request budget at its extreme: the check layer runs, no reused position
+    qualifies, so the request keeps every copied position and answers as its dense reference
+    (the same selection computed over full rows)."""
+    url = floor_server.url
+    donor, target = prompts
+    before = _after_fresh_donor(url, donor)
+    sparse = _answer(url, target)
+    after = semblend_totals(url)
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1
+    assert after["recompute_checks"] == before["recompute_checks"] + 1
+    assert after["recomputed_tokens"] == before["recomputed_tokens"]
+    assert after["reused_tokens"] - before["reused_tokens"] >= 800
+    before = _after_fresh_donor(url, donor)
+    dense = _answer(url, target, reference=True)
     _assert_same_answer(sparse, dense)
 
 
