@@ -11,10 +11,14 @@ One mechanism serves every backend: the backend's own ``init_forward_metadata`` 
 ``forward_extend`` are given the batch's split view (:mod:`.split_view`: each computed run of a
 sparse request as its own extend sequence). Batches without a sparse request are untouched.
 
-- torch_native: ``forward_extend`` runs SGLang's SDPA extend over the split view; it writes the
-  pass's KV first, so later runs read earlier runs' KV as prefix. With the CPU runtime's
-  query-only extend on (:func:`install_cpu_query_only_extend`), every extend batch instead runs
-  :func:`extend_attention_query_only` on the real batch, which masks by position itself.
+- torch_native: ``forward_extend`` runs SGLang's SDPA extend over the split view (it writes the
+  pass's KV first, so later runs read earlier runs' KV as prefix) when that costs no more tile
+  work than one position-masked pass per request (:func:`.split_view.split_is_cheaper`), and
+  otherwise :func:`extend_attention_query_only` on the real batch, which masks by position
+  itself: SGLang's SDPA loops over sequences, and a deviation repair's scattered recomputed
+  positions make hundreds of runs (measured on the CPU server, docs/perf.md). With the CPU
+  runtime's query-only extend on (:func:`install_cpu_query_only_extend`), every extend batch
+  runs the query-only extend.
 - triton: ``init_forward_metadata`` and ``forward_extend`` get the split view (the kernel saves
   the pass's KV before it reads the prefix) when it costs no more tile work than one
   position-masked pass per request (:func:`.split_view.split_is_cheaper`); otherwise SGLang's
@@ -56,7 +60,9 @@ from semblend_sglang.plan import Reason
 
 from .split_hooks import (
     SparseExtendUnsupported,
+    SparsePath,
     check_causal_layer,
+    count_sparse_batch,
     is_plain_extend,
     scratch_room,
     split_batch,
@@ -136,6 +142,11 @@ def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
 
 
 # ------------------------------------------------------------------------------ torch_native
+def _first_layer(layer: Any) -> bool:
+    """torch_native has no metadata hook: a batch is counted at its first attention layer."""
+    return int(getattr(layer, "layer_id", 0)) == 0
+
+
 def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
     """query_positions, computed once per forward batch (forward_extend runs once per layer):
     reused while the batch object, its ``positions`` tensor and its lengths are the same."""
@@ -155,23 +166,38 @@ def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
     forward_extend = native.forward_extend
     run_sdpa = native._run_sdpa_forward_extend
 
+    def query_only(
+        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        """SGLang's forward_extend on the real batch with its SDPA call replaced by the
+        position-masked query-only extend (:func:`extend_attention_query_only`)."""
+        info = _cached_positions(self, forward_batch)
+        if info is None and is_sparse_batch(forward_batch):
+            raise SparseExtendUnsupported("torch_native: sparse extend without positions")
+        if info is not None and info[1] and _first_layer(layer):
+            count_sparse_batch(SparsePath.POSITION_MASK)
+        self._semblend_active = info
+        try:
+            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+        finally:
+            self._semblend_active = None
+
     def forward_extend_hook(
         self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
     ) -> Any:
         if _every_extend:  # the CPU runtime: query-only on the real batch, masked by position
-            info = _cached_positions(self, forward_batch)
-            if info is None and is_sparse_batch(forward_batch):
-                raise SparseExtendUnsupported("torch_native: sparse extend without positions")
-            self._semblend_active = info
-            try:
-                return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-            finally:
-                self._semblend_active = None
+            return query_only(self, q, k, v, layer, forward_batch, *args, **kw)
         view = split_batch("torch_native", forward_batch)
         if view is None:
             return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
         check_causal_layer("torch_native", layer)
-        return forward_extend(self, q, k, v, layer, view, *args, **kw)
+        seqs = split_view_of(forward_batch).sequences
+        if seqs is not None and split_is_cheaper(forward_batch, seqs):
+            if _first_layer(layer):
+                count_sparse_batch(SparsePath.SPLIT_VIEW)
+            return forward_extend(self, q, k, v, layer, view, *args, **kw)
+        # many short runs: SGLang's SDPA would read each run's whole prefix again
+        return query_only(self, q, k, v, layer, forward_batch, *args, **kw)
 
     def run_sdpa_hook(
         self: Any,
@@ -302,8 +328,10 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
             raise SparseExtendUnsupported("triton: this backend configuration cannot split")
         seqs = split_view_of(forward_batch).sequences
         if seqs is not None and split_is_cheaper(forward_batch, seqs):
+            count_sparse_batch(SparsePath.SPLIT_VIEW)
             with scratch_room(self, TRITON_SCRATCH, view.batch_size + 1):
                 return init_metadata(self, view)
+        count_sparse_batch(SparsePath.POSITION_MASK)
         result = init_metadata(self, forward_batch)
         _mask_metadata(self, forward_batch)
         return result

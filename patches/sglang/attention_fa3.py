@@ -21,7 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .split_hooks import SparseExtendUnsupported, check_causal_layer, split_batch
+from .split_hooks import (
+    SparseExtendUnsupported,
+    SparsePath,
+    check_causal_layer,
+    count_sparse_batch,
+    split_batch,
+)
 from .split_view import is_sparse_batch
 
 NAME = "fa3"
@@ -63,6 +69,7 @@ def fa3_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]:
             return init_metadata(self, forward_batch)
         if not fa3_supported(self):
             raise SparseExtendUnsupported(f"{NAME}: this backend configuration cannot split")
+        count_sparse_batch(SparsePath.SPLIT_VIEW)
         return init_metadata(self, view)
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:

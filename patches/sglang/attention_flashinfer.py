@@ -32,7 +32,13 @@ from typing import Any
 
 import torch
 
-from .split_hooks import SparseExtendUnsupported, check_causal_layer, split_batch
+from .split_hooks import (
+    SparseExtendUnsupported,
+    SparsePath,
+    check_causal_layer,
+    count_sparse_batch,
+    split_batch,
+)
 from .split_view import is_sparse_batch, split_view_of
 
 FLASHINFER = "flashinfer"
@@ -153,6 +159,7 @@ def flashinfer_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]
         if getattr(self.forward_metadata, "use_ragged", True):
             raise SparseExtendUnsupported(f"{FLASHINFER}: the ragged path was chosen")
         setattr(self, SEQUENCES_ATTR, split_view_of(forward_batch).sequences)
+        count_sparse_batch(SparsePath.SPLIT_VIEW)
         return result
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
@@ -230,6 +237,7 @@ def trtllm_mha_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]
             raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend under context parallelism")
         result = init_metadata(self, view)
         setattr(self, SEQUENCES_ATTR, split_view_of(forward_batch).sequences)
+        count_sparse_batch(SparsePath.SPLIT_VIEW)
         return result
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:

@@ -26,6 +26,7 @@ from semblend_sglang.plan import Decision, Reason
 from semblend_sglang.provider import SemanticProvider
 
 from .held_donors import HeldDonorCounts
+from .split_hooks import sparse_batch_counts
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class SemblendRuntime:
         return not self.refused
 
     def snapshot(self) -> dict[str, Any]:
-        """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named)."""
+        """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named) and
+        ``sparse_extend_batches`` (batches holding a sparse request, by attention path)."""
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
         snap["held_donors"] = dataclasses.asdict(self.held)
@@ -104,6 +106,7 @@ class SemblendRuntime:
         snap["recompute_checks"] = self.recompute.checks
         snap["recompute_gated"] = self.recompute.gated
         snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
+        snap["sparse_extend_batches"] = sparse_batch_counts()
         return snap
 
     # ----------------------------------------------------------------- donors

@@ -9,12 +9,42 @@ Callers: the per-backend hook modules (:mod:`.attention`, :mod:`.attention_fa3`,
 from __future__ import annotations
 
 import contextlib
+import enum
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .split_view import is_sparse_batch, split_view_of
+
+
+class SparsePath(enum.StrEnum):
+    """How a batch holding a sparse request was attended: as its split view through the
+    backend's own metadata, or masked by position (triton's custom mask, torch_native's
+    query-only extend)."""
+
+    SPLIT_VIEW = "split_view"
+    POSITION_MASK = "position_mask"
+
+
+_paths: Counter[str] = Counter()
+_paths_lock = threading.Lock()
+
+
+def count_sparse_batch(path: SparsePath) -> None:
+    """Count one forward batch holding a sparse request on ``path`` (the hooks call it once per
+    batch: at metadata time, or at layer 0 where a backend has no metadata hook)."""
+    with _paths_lock:
+        _paths[path.value] += 1
+
+
+def sparse_batch_counts() -> dict[str, int]:
+    """Batches holding a sparse request this process attended, by :class:`SparsePath` value
+    (every path present, 0 when unused); read by the runtime's snapshot."""
+    with _paths_lock:
+        return {path.value: _paths[path.value] for path in SparsePath}
 
 
 class SparseExtendUnsupported(RuntimeError):
