@@ -57,13 +57,14 @@ def test_sparse_batches_equal_the_reference(hooks: None, seed: int, every_extend
     torch.testing.assert_close(forward(batch), reference(batch), atol=ATOL, rtol=0)
 
 
-def test_sglangs_own_sdpa_runs_the_split_view_of_few_long_runs_and_query_only_of_many(
+def test_a_sparse_batch_runs_query_only_an_ordinary_one_sglangs_sdpa(
     hooks: None, monkeypatch: pytest.MonkeyPatch
 ):
-    """Without the query-only extend for every batch, a sparse batch of a few long runs reaches
-    SGLang's SDPA loop as one sequence per computed run; one of many short runs (what a
-    deviation repair scatters) costs less tile work masked by position, so it runs the
-    query-only extend on the real batch; an ordinary batch reaches SDPA as its own requests."""
+    """Without the query-only extend for every batch, a sparse batch (a few long runs or many
+    short ones) runs the position-masked query-only extend on the real batch, counted once on
+    that path; an ordinary batch reaches SGLang's SDPA loop as its own requests."""
+    from semblend_sglang.patches.sglang.split_hooks import sparse_batch_counts
+
     seen: list[list[int]] = []
     masked: list[int] = []
     hooked = TorchNativeAttnBackend._run_sdpa_forward_extend
@@ -79,27 +80,20 @@ def test_sglangs_own_sdpa_runs_the_split_view_of_few_long_runs_and_query_only_of
 
     monkeypatch.setattr(TorchNativeAttnBackend, "_run_sdpa_forward_extend", spy)
     monkeypatch.setattr(attention, "extend_attention_query_only", query_only_spy)
-    from semblend_sglang.patches.sglang.split_hooks import sparse_batch_counts
-
     counts = sparse_batch_counts()
     few = random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse_runs",) * 3)
-    fb = forward_batch(few)
-    runs = attention.split_view_of(fb).sequences
-    assert runs is not None and len(runs.seq) > 3 and attention.split_is_cheaper(fb, runs)
-    torch.testing.assert_close(forward(few, fb=fb), reference(few), atol=ATOL, rtol=0)
-    assert seen == [runs.seq] and masked == []
     many = random_batch(3, n_requests=4, kinds=("sparse", "cold", "exact", "sparse_chunk"))
-    fb = forward_batch(many)
-    runs = attention.split_view_of(fb).sequences
-    assert runs is not None and not attention.split_is_cheaper(fb, runs)
-    torch.testing.assert_close(forward(many, fb=fb), reference(many), atol=ATOL, rtol=0)
-    assert seen[-1] == many.seq_lens.tolist() and masked == [1]
+    for n, batch in enumerate((few, many), start=1):
+        fb = forward_batch(batch)
+        torch.testing.assert_close(forward(batch, fb=fb), reference(batch), atol=ATOL, rtol=0)
+        forward(batch, fb=fb)  # a second layer of the same batch: counted once
+        assert seen[-1] == batch.seq_lens.tolist() and masked == [1] * (2 * n)
     ordinary = random_batch(4, kinds=("cold", "exact"))
     forward(ordinary)
-    assert seen[-1] == ordinary.seq_lens.tolist() and masked == [1]
-    now = sparse_batch_counts()  # one batch on each path (the ordinary one is not counted)
-    assert now["split_view"] - counts["split_view"] == 1
-    assert now["position_mask"] - counts["position_mask"] == 1
+    assert seen[-1] == ordinary.seq_lens.tolist() and len(masked) == 4
+    now = sparse_batch_counts()
+    assert now["position_mask"] - counts["position_mask"] == 2
+    assert now["split_view"] == counts["split_view"]
 
 
 def test_ordinary_batches_keep_sglangs_path_unless_every_extend(

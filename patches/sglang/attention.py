@@ -11,13 +11,12 @@ One mechanism serves every backend: the backend's own ``init_forward_metadata`` 
 ``forward_extend`` are given the batch's split view (:mod:`.split_view`: each computed run of a
 sparse request as its own extend sequence). Batches without a sparse request are untouched.
 
-- torch_native: ``forward_extend`` runs SGLang's SDPA extend over the split view (it writes the
-  pass's KV first, so later runs read earlier runs' KV as prefix) when that costs no more tile
-  work than one position-masked pass per request (:func:`.split_view.split_is_cheaper`), and
-  otherwise :func:`extend_attention_query_only` on the real batch, which masks by position
-  itself: SGLang's SDPA loops over sequences, and a deviation repair's scattered recomputed
-  positions make hundreds of runs (measured on the CPU server, docs/perf.md). With the CPU
-  runtime's query-only extend on (:func:`install_cpu_query_only_extend`), every extend batch
+- torch_native: a batch holding a sparse request runs :func:`extend_attention_query_only` on
+  the real batch (SGLang's ``forward_extend`` with its SDPA call replaced), which masks by
+  position itself. SGLang's own SDPA extend would carry the split view correctly (it writes the
+  pass's KV first), but it loops over sequences: on the CPU server it was 1.2-1.7x slower with
+  a few long runs and 6-54x with a deviation repair's scattered ones (docs/perf.md). With the
+  CPU runtime's query-only extend on (:func:`install_cpu_query_only_extend`), every extend batch
   runs the query-only extend.
 - triton: ``init_forward_metadata`` and ``forward_extend`` get the split view (the kernel saves
   the pass's KV before it reads the prefix) when it costs no more tile work than one
@@ -142,11 +141,6 @@ def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
 
 
 # ------------------------------------------------------------------------------ torch_native
-def _first_layer(layer: Any) -> bool:
-    """torch_native has no metadata hook: a batch is counted at its first attention layer."""
-    return int(getattr(layer, "layer_id", 0)) == 0
-
-
 def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
     """query_positions, computed once per forward batch (forward_extend runs once per layer):
     reused while the batch object, its ``positions`` tensor and its lengths are the same."""
@@ -174,8 +168,8 @@ def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
         info = _cached_positions(self, forward_batch)
         if info is None and is_sparse_batch(forward_batch):
             raise SparseExtendUnsupported("torch_native: sparse extend without positions")
-        if info is not None and info[1] and _first_layer(layer):
-            count_sparse_batch(SparsePath.POSITION_MASK)
+        if info is not None and info[1]:
+            count_sparse_batch(SparsePath.POSITION_MASK, forward_batch)
         self._semblend_active = info
         try:
             return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
@@ -185,19 +179,12 @@ def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
     def forward_extend_hook(
         self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
     ) -> Any:
-        if _every_extend:  # the CPU runtime: query-only on the real batch, masked by position
+        # A batch holding a sparse request always runs query-only: SGLang's SDPA extend loops
+        # over sequences, so over the split view it was 1.2-1.7x slower with a few long runs
+        # and 6-54x with a repair's scattered ones (the CPU server, docs/perf.md).
+        if _every_extend or is_sparse_batch(forward_batch):
             return query_only(self, q, k, v, layer, forward_batch, *args, **kw)
-        view = split_batch("torch_native", forward_batch)
-        if view is None:
-            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        check_causal_layer("torch_native", layer)
-        seqs = split_view_of(forward_batch).sequences
-        if seqs is not None and split_is_cheaper(forward_batch, seqs):
-            if _first_layer(layer):
-                count_sparse_batch(SparsePath.SPLIT_VIEW)
-            return forward_extend(self, q, k, v, layer, view, *args, **kw)
-        # many short runs: SGLang's SDPA would read each run's whole prefix again
-        return query_only(self, q, k, v, layer, forward_batch, *args, **kw)
+        return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
 
     def run_sdpa_hook(
         self: Any,
@@ -328,10 +315,10 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
             raise SparseExtendUnsupported("triton: this backend configuration cannot split")
         seqs = split_view_of(forward_batch).sequences
         if seqs is not None and split_is_cheaper(forward_batch, seqs):
-            count_sparse_batch(SparsePath.SPLIT_VIEW)
+            count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
             with scratch_room(self, TRITON_SCRATCH, view.batch_size + 1):
                 return init_metadata(self, view)
-        count_sparse_batch(SparsePath.POSITION_MASK)
+        count_sparse_batch(SparsePath.POSITION_MASK, forward_batch)
         result = init_metadata(self, forward_batch)
         _mask_metadata(self, forward_batch)
         return result

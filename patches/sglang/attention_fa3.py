@@ -69,7 +69,7 @@ def fa3_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]:
             return init_metadata(self, forward_batch)
         if not fa3_supported(self):
             raise SparseExtendUnsupported(f"{NAME}: this backend configuration cannot split")
-        count_sparse_batch(SparsePath.SPLIT_VIEW)
+        count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
         return init_metadata(self, view)
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:

@@ -159,7 +159,7 @@ def flashinfer_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]
         if getattr(self.forward_metadata, "use_ragged", True):
             raise SparseExtendUnsupported(f"{FLASHINFER}: the ragged path was chosen")
         setattr(self, SEQUENCES_ATTR, split_view_of(forward_batch).sequences)
-        count_sparse_batch(SparsePath.SPLIT_VIEW)
+        count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
         return result
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
@@ -237,7 +237,7 @@ def trtllm_mha_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]
             raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend under context parallelism")
         result = init_metadata(self, view)
         setattr(self, SEQUENCES_ATTR, split_view_of(forward_batch).sequences)
-        count_sparse_batch(SparsePath.SPLIT_VIEW)
+        count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
         return result
 
     def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:

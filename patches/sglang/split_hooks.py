@@ -33,9 +33,20 @@ _paths: Counter[str] = Counter()
 _paths_lock = threading.Lock()
 
 
-def count_sparse_batch(path: SparsePath) -> None:
-    """Count one forward batch holding a sparse request on ``path`` (the hooks call it once per
-    batch: at metadata time, or at layer 0 where a backend has no metadata hook)."""
+COUNTED_ATTR = "_semblend_sparse_path_counted"
+"""Attribute of a ForwardBatch already counted by :func:`count_sparse_batch`."""
+
+
+def count_sparse_batch(path: SparsePath, forward_batch: Any) -> None:
+    """Count ``forward_batch`` (holding a sparse request) once on ``path``: the hooks call it
+    every time they route it (per layer, or per metadata build after a check layer shrank it);
+    only the first call for a batch object counts."""
+    if getattr(forward_batch, COUNTED_ATTR, False):
+        return
+    try:
+        setattr(forward_batch, COUNTED_ATTR, True)
+    except AttributeError:  # a batch that takes no attributes: counted every time
+        pass
     with _paths_lock:
         _paths[path.value] += 1
 
