@@ -2,18 +2,17 @@
 "Split view on the CPU server").
 
 Two semblend (exact_spans) servers side by side: ``query_only`` (the CPU runtime's default: every
-extend batch runs the query-only extend on the real batch, masked by position) and
-``split_view`` (``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``: SGLang's own SDPA extend for ordinary
-batches; a batch holding a sparse request took the split view through SGLang's SDPA at commit
-acbfe58, the split view or the mask by tile work at 52f746b, and the mask since 6ef4cf9, after
-these measurements). Each hit's path is read from the snapshot's ``sparse_extend_batches``.
-For each built-in workload's groups at each ``--tokens`` (cut to fit SmolLM2's context as the bench does), on each server in turn (order
-alternating per repeat): flush, send the donors, then the probe (one token, greedy). Printed per
-cell: each server's probe TTFT median and range, the split/query-only TTFT ratio per repeat
-(paired), whether both servers reused and gave the same first token, and how many batches
-holding a sparse request each server attended on each path (its snapshot's
-``sparse_extend_batches``). ``edited_ends`` is a pseudo-workload (:func:`_edited_ends`) whose
-hit computes two long runs.
+extend batch runs the query-only extend on the real batch, masked by position) and ``split_view``
+(``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``: SGLang's own SDPA extend for ordinary batches; a batch
+holding a sparse request took the split view through SGLang's SDPA at commit acbfe58, the split
+view or the mask by tile work at 52f746b, and the mask since 6ef4cf9, after these measurements).
+For each built-in workload's groups at each ``--tokens`` (cut to fit SmolLM2's context as the bench
+does), on each server in turn (order alternating per repeat): flush, send the donors, then the
+probe (one token, greedy). Printed per cell: each server's probe TTFT median and range, the
+split/query-only TTFT ratio per repeat (paired), whether both servers reused and gave the same
+first token, and how many batches holding a sparse request each server attended on each path (its
+snapshot's ``sparse_extend_batches``). ``edited_ends`` is a pseudo-workload (:func:`_edited_ends`)
+whose hit computes two long runs.
 
     .venv/bin/python scripts/split_view_cpu_ttft.py [--tokens 1024,2048] [--repeats 3]
         [--workloads cross_instruction,rag] [--semblend-env KEY=VALUE ...] [--json FILE]
