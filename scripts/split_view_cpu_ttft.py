@@ -4,7 +4,7 @@
 Two semblend (exact_spans) servers side by side: ``query_only`` (the CPU runtime's default: every
 extend batch runs the query-only extend on the real batch, masked by position) and ``split_view``
 (``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``: SGLang's own SDPA extend for ordinary batches; a batch
-holding a sparse request took the split view through SGLang's SDPA at commit acbfe58, the split
+holding a sparse request took the split view through SGLang's SDPA at commit cee63e4, the split
 view or the mask by tile work at 52f746b, and the mask since 6ef4cf9, after these measurements).
 For each built-in workload's groups at each ``--tokens`` (cut to fit SmolLM2's context as the bench
 does), on each server in turn (order alternating per repeat): flush, send the donors, then the
