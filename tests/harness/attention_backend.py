@@ -43,6 +43,28 @@ class Pool:
         return self.v
 
 
+def real_pool(batch: Batch, page_size: int = 1) -> Any:
+    """SGLang's real one-layer `MHATokenToKVPool` at ``page_size`` (its size the batch's slots
+    rounded up to whole pages) holding the batch's cache: what the triton, fa3, flashinfer and
+    trtllm_mha harnesses read KV from."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    slots, hkv, d = batch.k_cache.shape
+    pool = MHATokenToKVPool(
+        size=-(-slots // page_size) * page_size,
+        page_size=page_size,
+        dtype=batch.k_cache.dtype,
+        head_num=hkv,
+        head_dim=d,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    pool.k_buffer[0][:slots] = batch.k_cache
+    pool.v_buffer[0][:slots] = batch.v_cache
+    return pool
+
+
 def backend(batch: Batch) -> Any:
     """A `TorchNativeAttnBackend` over the batch's rows and a copy of its cache."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend

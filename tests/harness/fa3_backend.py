@@ -122,21 +122,8 @@ def backend(batch: Batch, page_size: int = 1) -> Any:
     """A `FlashAttentionBackend` (FA3, MHA) over the batch's rows and a real KV pool holding its
     cache at ``page_size``."""
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    slots, hkv, d = batch.k_cache.shape
-    pool = MHATokenToKVPool(
-        size=slots,
-        page_size=page_size,
-        dtype=batch.k_cache.dtype,
-        head_num=hkv,
-        head_dim=d,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    pool.k_buffer[0][:slots] = batch.k_cache
-    pool.v_buffer[0][:slots] = batch.v_cache
+    pool = attention_backend.real_pool(batch, page_size)
     out = object.__new__(module().FlashAttentionBackend)
     fields: dict[str, Any] = {
         "is_encoder_decoder": False,

@@ -456,22 +456,10 @@ def pool(batch: Batch, page_size: int, seed: int = 1) -> Any:
     """SGLang's real one-layer `MHATokenToKVPool` at ``page_size`` holding the batch's cache,
     except the slots this pass computes, which hold stale KV (another generator's values):
     whatever reads them before the pass writes them is wrong."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from tests.harness.attention_backend import real_pool
 
-    slots, hkv, d = batch.k_cache.shape
-    size = -(-slots // page_size) * page_size
-    out = MHATokenToKVPool(
-        size=size,
-        page_size=page_size,
-        dtype=batch.k_cache.dtype,
-        head_num=hkv,
-        head_dim=d,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    out.k_buffer[0][:slots] = batch.k_cache
-    out.v_buffer[0][:slots] = batch.v_cache
+    out = real_pool(batch, page_size)
+    _, hkv, d = batch.k_cache.shape
     g = torch.Generator().manual_seed(seed)
     loc = batch.out_cache_loc
     shape = (loc.numel(), hkv, d)

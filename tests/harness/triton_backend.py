@@ -40,21 +40,8 @@ def backend(batch: Batch, max_bs: int = 8, page_size: int = 1) -> Any:
     ``page_size`` (the batch's rows laid out in whole pages when it is > 1)."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    slots, hkv, d = batch.k_cache.shape
-    pool = MHATokenToKVPool(
-        size=slots,
-        page_size=page_size,
-        dtype=batch.k_cache.dtype,
-        head_num=hkv,
-        head_dim=d,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    pool.k_buffer[0][:slots] = batch.k_cache
-    pool.v_buffer[0][:slots] = batch.v_cache
+    pool = attention_backend.real_pool(batch, page_size)
     out = object.__new__(TritonAttnBackend)
     import sglang.kernels.ops.attention.extend_attention as kernels
 
