@@ -8,12 +8,7 @@ reference on ordinary batches through SGLang's own metadata, on both of its path
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +16,7 @@ import torch
 
 from tests.harness.attention_backend import ATOL, reference
 from tests.sparse_extend_batches import random_batch
-from tests.triton_mode import triton_interpreted
+from tests.triton_mode import run_interpreted, triton_interpreted
 
 pytest.importorskip("sglang")
 pytest.importorskip("triton")
@@ -41,18 +36,7 @@ def test_tests_under_the_interpreter():
     runs SGLang's Triton index kernels)."""
     if INTERPRETED:
         pytest.skip("this process is the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", child.stdout)
-    assert passed is not None and int(passed.group(1)) >= CHILD_TESTS, child.stdout[-2000:]
+    run_interpreted(__file__, CHILD_TESTS)
 
 
 @pytest.fixture

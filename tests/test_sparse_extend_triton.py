@@ -6,12 +6,7 @@ whichever costs less tile work; and the hooks' refusals."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +19,7 @@ from semblend_sglang.kernels.sparse_extend_triton import (
 )
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import Batch, random_batch
-from tests.triton_mode import triton_interpreted
+from tests.triton_mode import run_interpreted, triton_interpreted
 
 pytest.importorskip("sglang")
 pytest.importorskip("triton")
@@ -41,18 +36,7 @@ def test_kernel_tests_under_the_interpreter():
     """Run this module's kernel tests in a child started with TRITON_INTERPRET=1."""
     if INTERPRETED:
         pytest.skip("this process is the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", child.stdout)
-    assert passed is not None and int(passed.group(1)) >= KERNEL_TESTS, child.stdout[-2000:]
+    run_interpreted(__file__, KERNEL_TESTS, timeout=600)
 
 
 @pytest.fixture(scope="module")
