@@ -28,48 +28,39 @@ LOGPROB_TOLERANCE = 2e-3
 """float32 rounding of the same attention computed by two paths (query-only vs full rows)."""
 
 
-@pytest.fixture(scope="module")
-def deviation_server(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    log = tmp_path_factory.mktemp("recompute-deviation") / "server.log"
-    env = {
-        "SEMBLEND_ENABLED": "1",
+SERVERS: dict[str, dict[str, str]] = {
+    "deviation": {
         "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
         "SEMBLEND_RECOMPUTE_RATIO": "0.3",
-    }
-    with healthy_server(smollm2_model_dir, log, env) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def gated_server(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    log = tmp_path_factory.mktemp("recompute-gate") / "server.log"
-    env = {
-        "SEMBLEND_ENABLED": "1",
-        "SEMBLEND_RECOMPUTE_STRATEGY": "query",
-        "SEMBLEND_RECOMPUTE_RATIO": "0.15",
-        "SEMBLEND_QUALITY_GATE": "1e-12",
-    }
-    with healthy_server(smollm2_model_dir, log, env) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def floor_server(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    """deviation with a minimum deviation no K/V moves by: every request's budget is zero."""
-    log = tmp_path_factory.mktemp("recompute-floor") / "server.log"
-    env = {
-        "SEMBLEND_ENABLED": "1",
+        "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
+    },
+    # a minimum deviation no K/V moves by: every request's budget is zero
+    "floor": {
         "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
         "SEMBLEND_RECOMPUTE_RATIO": "0.3",
         "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "1e6",
-    }
-    with healthy_server(smollm2_model_dir, log, env) as srv:
+    },
+    # a quality gate below any deviation: every reuse is refused
+    "gate": {
+        "SEMBLEND_RECOMPUTE_STRATEGY": "query",
+        "SEMBLEND_RECOMPUTE_RATIO": "0.15",
+        "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
+        "SEMBLEND_QUALITY_GATE": "1e-12",
+    },
+}
+"""The recompute settings of each server the tests start (``recompute_server``'s parameter)."""
+
+
+@pytest.fixture(scope="module")
+def recompute_server(
+    request: pytest.FixtureRequest,
+    smollm2_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SglangServer]:
+    """A semblend server with the :data:`SERVERS` settings named by the test's parameter."""
+    name = request.param
+    log = tmp_path_factory.mktemp(f"recompute-{name}") / "server.log"
+    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1", **SERVERS[name]}) as srv:
         yield srv
 
 
@@ -114,10 +105,11 @@ def _assert_same_answer(
     assert worst <= LOGPROB_TOLERANCE, (worst, got[1], want[1])
 
 
+@pytest.mark.parametrize("recompute_server", ["deviation"], indirect=True)
 def test_a_deviation_selection_answers_like_its_dense_reference(
-    deviation_server: SglangServer, prompts: tuple[list[int], list[int]]
+    recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
 ) -> None:
-    url = deviation_server.url
+    url = recompute_server.url
     donor, target = prompts
     before = _after_fresh_donor(url, donor)
     sparse = _answer(url, target)
@@ -135,13 +127,14 @@ def test_a_deviation_selection_answers_like_its_dense_reference(
     _assert_same_answer(sparse, dense)
 
 
+@pytest.mark.parametrize("recompute_server", ["floor"], indirect=True)
 def test_a_request_under_the_minimum_deviation_recomputes_nothing_after_the_check(
-    floor_server: SglangServer, prompts: tuple[list[int], list[int]]
+    recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
 ) -> None:
     """The per-request budget at its extreme: the check layer runs, no reused position
     qualifies, so the request keeps every copied position and answers as its dense reference
     (the same selection computed over full rows)."""
-    url = floor_server.url
+    url = recompute_server.url
     donor, target = prompts
     before = _after_fresh_donor(url, donor)
     sparse = _answer(url, target)
@@ -155,10 +148,11 @@ def test_a_request_under_the_minimum_deviation_recomputes_nothing_after_the_chec
     _assert_same_answer(sparse, dense)
 
 
+@pytest.mark.parametrize("recompute_server", ["gate"], indirect=True)
 def test_a_gate_that_refuses_recomputes_everything_and_answers_like_cold(
-    gated_server: SglangServer, prompts: tuple[list[int], list[int]]
+    recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
 ) -> None:
-    url = gated_server.url
+    url = recompute_server.url
     donor, target = prompts
     before = _after_fresh_donor(url, donor)
     gated = _answer(url, target)
@@ -174,4 +168,4 @@ def test_a_gate_that_refuses_recomputes_everything_and_answers_like_cold(
     # an exact hit of its KV
     repeat = generate(url, target, 1)
     assert repeat["meta_info"]["cached_tokens"] < 50
-    assert gated_server.alive()
+    assert recompute_server.alive()
