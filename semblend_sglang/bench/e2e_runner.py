@@ -69,8 +69,9 @@ class ProbeRecord:
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
-    """Vanilla's cold run: the top-1 / top-2 logprob margin of each greedy output position
-    (how close the cold answer is to a different token there); empty on other runs."""
+    """The top-1 / top-2 logprob margin of each greedy output position (how close the answer is
+    to a different token there), on repeat 0 of vanilla's cold run and of every semblend
+    system's probe (the post-hoc guard's signal, :mod:`.gate_eval`); empty on other runs."""
     label: str = ""
     donors: int = field(kw_only=True)
     repeat: int = field(default=0, kw_only=True)
@@ -265,7 +266,7 @@ class Runner:
             self._flush(client)
             self._send_donors(client, group)
             before = client.snapshot()
-            timed = self._generate(client, probe.prompt_ids, tokens)
+            timed = self._generate(client, probe.prompt_ids, tokens, margins=repeat == 0)
             after = client.snapshot()
             outcome, reused = outcome_delta(before, after)
             if system == "exact_spans":  # SGLang reports its exact prefix only
