@@ -52,6 +52,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.blend_sim",
         "Offline recompute simulation: which selection and ratio keep the cold answer.",
     ),
+    "gate": (
+        "semblend_sglang.bench.gate_eval",
+        "Quality gate and post-hoc guard on e2e records: precision/recall for answers lost.",
+    ),
     "table": (
         "semblend_sglang.bench.e2e_table",
         "e2e JSON reports as one markdown table: recompute strategy x ratio x workload.",

@@ -1,0 +1,266 @@
+"""How well a signal picks out the reused answers that differ from cold: the quality gate
+(before decoding) and a post-hoc guard (after the first token), judged on e2e records.
+
+Each *case* is one probe that a semblend system served from reused KV (outcome
+``materialized``), paired with vanilla's cold run of the same prompt. Two signals:
+
+- ``residual``: the mean relative K/V deviation the recompute budget left at the check layer
+  (``residual_deviation``), known before decoding; the quality gate (``quality_gate``)
+  recomputes every reused position when it exceeds the threshold. A case is *flagged* when
+  the signal is above the threshold.
+- ``first_margin``: the top-1 / top-2 logprob margin of the reused run's first output token,
+  known after the first forward and before the token is emitted; a guard would recompute the
+  request densely. A case is flagged when the margin is below the threshold.
+
+Labels: ``lost`` (cold answered correctly, the reused run did not; QA workloads only) and
+``changed`` (the greedy output ids differ from cold). The cost is modelled from the records'
+own TTFTs: a flagged case costs cold's TTFT under the gate (one dense forward) and the reused
+TTFT plus cold's under the guard (the forward ran, then a dense one); an unflagged case costs
+its reused TTFT. A flagged case answers as cold does.
+
+``python -m semblend_sglang.bench gate REPORT.records.jsonl`` prints the table. Read-only: it
+never talks to a server.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .e2e_runner import ProbeRecord
+from .metrics import score_answer
+
+SIGNALS = ("residual", "first_margin")
+FLAGGED_SHARES = (0.1, 0.25, 0.5)
+"""The operating points reported per signal: thresholds that flag about these shares."""
+
+
+@dataclass(frozen=True, slots=True)
+class GateCase:
+    """One reused probe beside its cold run. ``residual``/``first_margin``: the signals (None:
+    not recorded); ``cold_correct``/``reused_correct``: QA scores (None: no gold answer);
+    ``changed``: the greedy output differs from cold; TTFTs are medians over repeats."""
+
+    workload: str
+    residual: float | None
+    first_margin: float | None
+    cold_correct: bool | None
+    reused_correct: bool | None
+    changed: bool
+    cold_ttft_s: float
+    reused_ttft_s: float
+
+    @property
+    def lost(self) -> bool:
+        """Cold answered correctly and the reused run did not (False without gold answers)."""
+        return bool(self.cold_correct) and self.reused_correct is False
+
+    def signal(self, name: str) -> float | None:
+        """The named signal (one of :data:`SIGNALS`)."""
+        if name == "residual":
+            return self.residual
+        if name == "first_margin":
+            return self.first_margin
+        raise ValueError(f"unknown signal {name!r}; known: {', '.join(SIGNALS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class GatePoint:
+    """One threshold of one signal over a set of cases: how many it flags, how many of the
+    ``lost``/``changed`` cases it catches, the accuracy once flagged cases answer as cold, and
+    the modelled speed-up over cold (sum of cold TTFTs over sum of effective TTFTs)."""
+
+    signal: str
+    threshold: float | None
+    cases: int
+    flagged: int
+    lost: int
+    lost_caught: int
+    changed: int
+    changed_caught: int
+    accuracy: float | None
+    speedup: float
+
+    @property
+    def precision(self) -> float | None:
+        """Share of flagged cases that were lost (None when none is flagged)."""
+        return self.lost_caught / self.flagged if self.flagged else None
+
+    @property
+    def recall(self) -> float | None:
+        """Share of lost cases flagged (None when none was lost)."""
+        return self.lost_caught / self.lost if self.lost else None
+
+
+def _correct(rec: ProbeRecord) -> bool | None:
+    if rec.gold is None:
+        return None
+    return score_answer(rec.text, rec.gold.kind, rec.gold.answers).correct >= 1.0
+
+
+def gate_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> list[GateCase]:
+    """The cases of ``system``: its repeat-0 probes that reused KV, each with vanilla's cold
+    run of the same probe; probes without a cold run are left out."""
+    runs: dict[tuple, dict[str, list[ProbeRecord]]] = defaultdict(lambda: defaultdict(list))
+    for rec in records:
+        key = (rec.workload, rec.context_tokens, rec.group_id, rec.probe)
+        if rec.system == system and rec.kind == "semantic":
+            runs[key]["reused"].append(rec)
+        elif rec.system == "vanilla" and rec.kind == "cold":
+            runs[key]["cold"].append(rec)
+    cases = []
+    for key in sorted(runs):
+        got = runs[key]
+        reused = [r for r in got["reused"] if r.repeat == 0]
+        cold = [r for r in got["cold"] if r.repeat == 0]
+        if not reused or not cold or reused[0].outcome != "materialized":
+            continue
+        first, base = reused[0], cold[0]
+        cases.append(
+            GateCase(
+                workload=first.workload,
+                residual=first.residual_deviation,
+                first_margin=first.margins[0] if first.margins else None,
+                cold_correct=_correct(base),
+                reused_correct=_correct(first),
+                changed=list(first.output_ids) != list(base.output_ids),
+                cold_ttft_s=statistics.median(r.ttft_s for r in got["cold"]),
+                reused_ttft_s=statistics.median(r.ttft_s for r in got["reused"]),
+            )
+        )
+    return cases
+
+
+def flags(case: GateCase, signal: str, threshold: float | None) -> bool:
+    """Whether ``threshold`` flags ``case`` (None: the gate is off; a case without the signal
+    is never flagged)."""
+    value = case.signal(signal)
+    if threshold is None or value is None:
+        return False
+    return value > threshold if signal == "residual" else value < threshold
+
+
+def evaluate(cases: Sequence[GateCase], signal: str, threshold: float | None) -> GatePoint:
+    """The :class:`GatePoint` of ``signal`` at ``threshold`` over ``cases`` (non-empty)."""
+    if not cases:
+        raise ValueError("no cases: the records hold no reused probe with a cold run")
+    flagged = [flags(c, signal, threshold) for c in cases]
+    guard = signal == "first_margin"  # the reused forward ran before the dense one
+    cost = sum(
+        (c.reused_ttft_s + c.cold_ttft_s if guard else c.cold_ttft_s) if f else c.reused_ttft_s
+        for c, f in zip(cases, flagged, strict=True)
+    )
+    scored = [(c, f) for c, f in zip(cases, flagged, strict=True) if c.cold_correct is not None]
+    accuracy = (
+        sum(bool(c.cold_correct if f else c.reused_correct) for c, f in scored) / len(scored)
+        if scored
+        else None
+    )
+    return GatePoint(
+        signal=signal,
+        threshold=threshold,
+        cases=len(cases),
+        flagged=sum(flagged),
+        lost=sum(c.lost for c in cases),
+        lost_caught=sum(c.lost and f for c, f in zip(cases, flagged, strict=True)),
+        changed=sum(c.changed for c in cases),
+        changed_caught=sum(c.changed and f for c, f in zip(cases, flagged, strict=True)),
+        accuracy=accuracy,
+        speedup=sum(c.cold_ttft_s for c in cases) / cost,
+    )
+
+
+def share_thresholds(
+    cases: Sequence[GateCase], signal: str, shares: Sequence[float] = FLAGGED_SHARES
+) -> list[float]:
+    """Thresholds that flag about each share of the cases that carry ``signal`` (riskiest
+    first: highest residual, lowest margin), ascending in share, without repeats."""
+    values = sorted(v for c in cases if (v := c.signal(signal)) is not None)
+    if signal == "residual":
+        values.reverse()
+    out: list[float] = []
+    for share in shares:
+        k = round(share * len(values))
+        if k <= 0 or k >= len(values):
+            continue
+        # halfway between the k-th riskiest value and the next: flags exactly the first k
+        cut = (values[k - 1] + values[k]) / 2
+        if cut not in out:
+            out.append(cut)
+    return out
+
+
+def rank_auc(cases: Sequence[GateCase], signal: str) -> float | None:
+    """Probability that a lost case looks riskier on ``signal`` than a case that was not lost
+    (ties count half); None without both kinds of case carrying the signal."""
+    lost = [v for c in cases if c.lost and (v := c.signal(signal)) is not None]
+    kept = [v for c in cases if not c.lost and (v := c.signal(signal)) is not None]
+    if not lost or not kept:
+        return None
+    sign = 1.0 if signal == "residual" else -1.0
+    wins = sum(1.0 if sign * (a - b) > 0 else 0.5 if a == b else 0.0 for a in lost for b in kept)
+    return wins / (len(lost) * len(kept))
+
+
+def read_records(path: Path) -> list[ProbeRecord]:
+    """The records of an e2e ``.records.jsonl`` file (or a report JSON's ``records``)."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        rows = json.loads(text)["records"]
+    return [ProbeRecord(**row) for row in rows]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def table(cases: Sequence[GateCase]) -> str:
+    """A markdown table: per signal, the gate off, then :func:`share_thresholds`."""
+    lines = [
+        "| signal | threshold | flagged | lost caught (recall) | precision | changed caught "
+        "| accuracy | modelled speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    off = evaluate(cases, "residual", None)
+    lines.append(
+        f"| off | — | 0/{off.cases} | 0/{off.lost} | — | 0/{off.changed} "
+        f"| {_fmt(off.accuracy, '.3f')} | {off.speedup:.2f}× |"
+    )
+    for signal in SIGNALS:
+        auc = rank_auc(cases, signal)
+        for threshold in share_thresholds(cases, signal):
+            p = evaluate(cases, signal, threshold)
+            lines.append(
+                f"| {signal} (AUC {_fmt(auc, '.2f')}) | {threshold:.4g} | {p.flagged}/{p.cases} "
+                f"| {p.lost_caught}/{p.lost} ({_fmt(p.recall, '.2f')}) "
+                f"| {_fmt(p.precision, '.2f')} | {p.changed_caught}/{p.changed} "
+                f"| {_fmt(p.accuracy, '.3f')} | {p.speedup:.2f}× |"
+            )
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("records", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--system", default="exact_spans", show_default=True, help="Semblend system.")
+@click.option("--workloads", default="", help="Only these workloads (comma-separated).")
+def command(records: tuple[Path, ...], system: str, workloads: str) -> None:
+    """Quality gate and post-hoc guard on e2e records: precision/recall of each signal for
+    answers lost against cold, accuracy once flagged probes answer as cold, modelled cost."""
+    wanted = {w for w in workloads.split(",") if w}
+    cases = [
+        c
+        for path in records
+        for c in gate_cases(read_records(path), system)
+        if not wanted or c.workload in wanted
+    ]
+    if not cases:
+        raise click.ClickException(f"no {system} probe that reused KV has a cold run in {records}")
+    click.echo(table(cases))
