@@ -141,7 +141,7 @@ def test_gate_declines_and_recomputed_tokens_land_in_their_own_cell() -> None:
     assert gated_line.split()[-5:-1] == ["heads", "5%", "100", "1"]
     assert settings_lines(runner.configs) == [
         "exact_spans: recompute_strategy=heads recompute_ratio=0.05 recompute_check_layer=1 "
-        "recompute_min_deviation=0.0 quality_gate=0.0"
+        "recompute_min_deviation=0.0001 quality_gate=0.0"
     ]
 
 
@@ -221,26 +221,27 @@ def test_markdown_table_puts_each_workloads_settings_side_by_side(tmp_path: Path
     older = _run(ServerState(config=None, recompute_counter=False), workloads[:1])
     reports.append({"summary": summarize(older.records)})  # like a schema-3 report
     lines = markdown_table(reports).splitlines()
-    assert lines[0].startswith("| strategy | ratio | workload | ctx | cold |")
+    assert lines[0].startswith("| strategy | ratio | min dev | workload | ctx | cold |")
     assert lines[0].endswith(
         "| gate declines | greedy agree (hits) | cold margin at divergence | PPL ratio |"
     )
-    assert lines[1] == "|" + "---|" * 15
+    assert lines[1] == "|" + "---|" * 17
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert [c[:4] for c in cells] == [
-        ["?", "?", "rag", "512"],
-        ["heads", "0%", "rag", "512"],
-        ["heads", "5%", "rag", "512"],
-        ["query", "30%", "rag", "512"],
-        ["heads", "0%", "template", "512"],
-        ["heads", "5%", "template", "512"],
-        ["query", "30%", "template", "512"],
+    assert [c[:5] for c in cells] == [
+        ["?", "?", "?", "rag", "512"],
+        ["heads", "0%", "1e-04", "rag", "512"],
+        ["heads", "5%", "1e-04", "rag", "512"],
+        ["query", "30%", "1e-04", "rag", "512"],
+        ["heads", "0%", "1e-04", "template", "512"],
+        ["heads", "5%", "1e-04", "template", "512"],
+        ["query", "30%", "1e-04", "template", "512"],
     ]
-    share = {(c[0], c[1], c[2]): c[10] for c in cells}
+    share = {(c[0], c[1], c[3]): c[12] for c in cells}
     assert share[("heads", "0%", "rag")] == "0%" and share[("query", "30%", "rag")] == "30%"
-    assert all(c[8] == "100%" and c[11] == "0" for c in cells if c[0] != "?")
-    assert all(c[13] == "—" for c in cells)  # every hit agrees with cold: no margin
-    assert cells[0][11] == "0" and cells[0][14] == "—"  # no references: no PPL ratio
+    assert all(c[10] == "100%" and c[13] == "0" for c in cells if c[0] != "?")
+    assert all(float(c[9]) > 0 for c in cells)  # cold / spans, paired per probe
+    assert all(c[15] == "—" for c in cells)  # every hit agrees with cold: no margin
+    assert cells[0][13] == "0" and cells[0][16] == "—"  # no references: no PPL ratio
     paths = []
     for i, report in enumerate(reports):
         paths.append(tmp_path / f"e2e-{i}.json")

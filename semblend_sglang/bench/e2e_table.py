@@ -26,6 +26,7 @@ MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("exact hit, same length", "exact_same_length_ms_p50", ",.0f"),
     ("exact_spans", "exact_spans_ms_p50", ",.0f"),
     ("spans / exact", "exact_spans_over_exact", ".2f"),
+    ("speed-up (cold / spans)", "exact_spans_speedup", ".2f"),
     ("hit (server)", "exact_spans_hit_rate", ".0%"),
     ("reused", "exact_spans_reused_fraction", ".0%"),
     ("recomputed", "exact_spans_recompute_share", ".0%"),
@@ -35,7 +36,8 @@ MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("PPL ratio", "exact_spans_ppl_ratio", ".3f"),
 )
 """Columns after strategy, ratio, workload and context length: (header, summary key, format).
-TTFT p50 in ms; ``recomputed``: share of reused + recomputed tokens; ``cold margin at
+TTFT p50 in ms; ``spans / exact`` and ``speed-up``: medians of per-probe paired ratios;
+``recomputed``: share of reused + recomputed tokens; ``cold margin at
 divergence``: median over the hits that part from cold of the cold run's top-1 / top-2 logprob
 margin where they part (``—``: none parts; ``?``: some part, but the report has no margins)."""
 
@@ -60,12 +62,20 @@ def _cell(row: Mapping[str, Any], key: str, spec: str) -> str:
     return "—"
 
 
+def _floor_label(value: float | None) -> str:
+    """``recompute_min_deviation`` as resolved: ``0`` (off), e.g. ``1e-04``, or ``?``."""
+    if value is None:
+        return "?"
+    return "0" if value == 0 else f"{value:.0e}"
+
+
 def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table of the summary rows of ``reports`` (parsed e2e JSON files) in which
-    exact_spans ran: strategy, ratio (as its server resolved them; ``?`` when not reported),
+    exact_spans ran: strategy, ratio, minimum deviation (as its server resolved them; ``?``
+    when not reported),
     row name (:func:`.e2e_summary.row_name`), context length, then :data:`MARKDOWN_COLUMNS`
     and, when a row has QA probes, :data:`QA_MARKDOWN_COLUMNS` (``—`` for a missing value).
-    Sorted by context length, row name, strategy, then ratio; a
+    Sorted by context length, row name, strategy, ratio, then minimum deviation; a
     header line only when no report has such a row."""
     rows = [
         row
@@ -77,17 +87,19 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
     def order(row: Mapping[str, Any]) -> tuple[Any, ...]:
         ratio = row.get("exact_spans_recompute_ratio")
         strategy = row.get("exact_spans_recompute_strategy") or ""
-        return (row["context_tokens"], row_name(row), strategy, ratio is None, ratio or 0.0)
+        floor = row.get("exact_spans_recompute_min_deviation") or 0.0
+        return (row["context_tokens"], row_name(row), strategy, ratio is None, ratio or 0.0, floor)
 
     columns = MARKDOWN_COLUMNS
     if any(row.get("qa_probes") for row in rows):
         columns += QA_MARKDOWN_COLUMNS
-    head = ["strategy", "ratio", "workload", "ctx", *(h for h, *_ in columns)]
+    head = ["strategy", "ratio", "min dev", "workload", "ctx", *(h for h, *_ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in sorted(rows, key=order):
         cells = [
             row.get("exact_spans_recompute_strategy") or "?",
             ratio_label(row.get("exact_spans_recompute_ratio")),
+            _floor_label(row.get("exact_spans_recompute_min_deviation")),
             row_name(row),
             str(row["context_tokens"]),
             *(_cell(row, key, spec) for _, key, spec in columns),
