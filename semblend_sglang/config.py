@@ -192,7 +192,7 @@ class Config:
         minimum=0,
     )
     recompute_min_deviation: float = setting(
-        0.0,
+        1e-4,
         "deviation/query: recompute a reused position only when its relative K/V deviation at "
         "the check layer is at least this, so the ratio is a per-request ceiling (0: the ratio "
         "is spent on every request).",

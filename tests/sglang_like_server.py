@@ -41,7 +41,7 @@ RESOLVED_CONFIG: dict[str, Any] = {
     "recompute_strategy": "deviation",
     "recompute_ratio": 0.15,
     "recompute_check_layer": 1,
-    "recompute_min_deviation": 0.0,
+    "recompute_min_deviation": 1e-4,
     "quality_gate": 0.0,
 }
 """The default ``config`` of the snapshot (a part of ``Config.as_dict()``)."""

@@ -51,6 +51,7 @@ RECOMPUTE_ENV = {
     "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
     "SEMBLEND_RECOMPUTE_RATIO": str(RATIO),
     "SEMBLEND_RECOMPUTE_CHECK_LAYER": "1",
+    "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",  # the budget is spent whatever the deviation
 }
 
 
