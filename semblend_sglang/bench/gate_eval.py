@@ -36,7 +36,10 @@ import click
 from .e2e_runner import ProbeRecord
 from .metrics import score_answer
 
-SIGNALS = ("residual", "first_margin")
+RISK_SIGN = {"residual": 1.0, "first_margin": -1.0}
+"""Per signal, +1 when a higher value is riskier (flagged above the threshold), -1 when a lower
+one is (flagged below it)."""
+SIGNALS = tuple(RISK_SIGN)
 FLAGGED_SHARES = (0.1, 0.25, 0.5)
 """The operating points reported per signal: thresholds that flag about these shares."""
 
@@ -143,7 +146,7 @@ def flags(case: GateCase, signal: str, threshold: float | None) -> bool:
     value = case.signal(signal)
     if threshold is None or value is None:
         return False
-    return value > threshold if signal == "residual" else value < threshold
+    return RISK_SIGN[signal] * (value - threshold) > 0
 
 
 def evaluate(cases: Sequence[GateCase], signal: str, threshold: float | None) -> GatePoint:
@@ -181,9 +184,10 @@ def share_thresholds(
 ) -> list[float]:
     """Thresholds that flag about each share of the cases that carry ``signal`` (riskiest
     first: highest residual, lowest margin), ascending in share, without repeats."""
-    values = sorted(v for c in cases if (v := c.signal(signal)) is not None)
-    if signal == "residual":
-        values.reverse()
+    values = sorted(
+        (v for c in cases if (v := c.signal(signal)) is not None),
+        key=lambda v: -RISK_SIGN[signal] * v,
+    )
     out: list[float] = []
     for share in shares:
         k = round(share * len(values))
@@ -203,7 +207,7 @@ def rank_auc(cases: Sequence[GateCase], signal: str) -> float | None:
     kept = [v for c in cases if not c.lost and (v := c.signal(signal)) is not None]
     if not lost or not kept:
         return None
-    sign = 1.0 if signal == "residual" else -1.0
+    sign = RISK_SIGN[signal]
     wins = sum(1.0 if sign * (a - b) > 0 else 0.5 if a == b else 0.0 for a in lost for b in kept)
     return wins / (len(lost) * len(kept))
 
