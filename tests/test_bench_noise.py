@@ -131,7 +131,8 @@ def test_runner_interleaves_systems_per_probe_and_decodes_in_the_first_repeat_on
     probe = BenchRequest(tuple(range(2, 300)), "probe", reference_ids=(5, 6))
     group = RequestGroup("g0", (donor, probe))
     workload = Workload("rag", 512, (group,))
-    runner = Runner(clients, greedy_tokens=4, repeats=3, meter=LoadMeter())
+    steps: list[int] = []
+    runner = Runner(clients, greedy_tokens=4, repeats=3, meter=LoadMeter(), progress=steps.append)
     runner.run_group(workload, group)
     by_repeat = [[(r.system, r.kind) for r in runner.records if r.repeat == k] for k in range(3)]
     assert (
@@ -141,10 +142,16 @@ def test_runner_interleaves_systems_per_probe_and_decodes_in_the_first_repeat_on
     assert decoded == [(0, 4), (0, 4), (1, 1), (1, 1), (2, 1), (2, 1)]
     assert sum(1 for _, what, _ in log if what == "reference") == 2  # first repeat only
     assert all(r.foreign_cores is not None for r in runner.records)
-    # every repeat starts the probe from flushed servers and its donors again
-    assert [n for n, what, _ in log if what == "flush"] == ["exact_spans", "vanilla", "vanilla"] * 3
-    # progress counts vanilla's exact_same_length too (skipped here: nothing was reused)
-    assert requests_per_group(group, ["vanilla", "exact_spans"], 3) == 3 * (2 + 4)
+    # every repeat starts the probe from flushed servers and its donors again; the first
+    # repeat's semantic reference too (it must not reuse the probe held as a donor)
+    flushes = [n for n, what, _ in log if what == "flush"]
+    assert flushes == ["exact_spans"] + ["exact_spans", "vanilla", "vanilla"] * 3
+    semantic_log = [what for name, what, _ in log if name == "exact_spans"]
+    assert semantic_log[:6] == ["flush", "generate", "generate", "flush", "generate", "reference"]
+    # progress counts vanilla's exact_same_length too (skipped here: nothing was reused) and the
+    # donor resent before the semantic reference
+    assert requests_per_group(group, ["vanilla", "exact_spans"], 3) == 3 * (2 + 4) + 1
+    assert sum(steps) == 3 * (2 + 3) + 1  # all but the skipped exact_same_length
     with pytest.raises(ValueError, match="repeats"):
         Runner(clients, repeats=0)
 

@@ -48,7 +48,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -69,7 +69,9 @@ answer: ``kind``, ``answers``, ``dataset``; null for other workloads); summary r
 ``qa_probes``, ``qa_span_probes`` and per scored source (cold, exact_same_length, exact_spans,
 substitute, exact_spans_sglang_dispatch) ``_accuracy``, ``_f1`` and ``_qa_n``; and per semblend
 system ``_recompute_min_deviation`` (resolved; None: not reported). 9: semblend systems'
-probe records of repeat 0 carry ``margins`` too (:mod:`.gate_eval` reads them)."""
+probe records of repeat 0 carry ``margins`` too (:mod:`.gate_eval` reads them). 10: no new
+key; semblend systems' ``reference_logprobs`` come from a request sent after a flush and the
+group's donors again (before, it could reuse the probe itself and be repaired twice)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

@@ -7,7 +7,9 @@ machine hits the systems it compares alike). For each probe, after ``/flush_cach
 server (unless flushing is off):
 
 - exact_spans / substitute / exact_spans_sglang_dispatch: the donors, then the probe
-  (``semantic``). The probe's outcome (materialized or not, ``declined:quality_gate`` among the
+  (``semantic``); in the first repeat, after a flush, the donors again and the probe's
+  teacher-forced reference (so that it reuses what the probe reused, never the probe
+  itself). The probe's outcome (materialized or not, ``declined:quality_gate`` among the
   reasons), reused and recomputed tokens and the scheduler's time in semblend's hooks come from
   the server's own counters (``GET /semblend/snapshot``) read before and after it. The settings
   each semblend server resolved (the snapshot's ``config``) are read once, before its first
@@ -285,9 +287,13 @@ class Runner:
                 residual_deviation=residual_delta(before, after),
                 hook_ms=hook_ms_delta(before, after),
             )
-            if repeat == 0:
-                rec.reference_logprobs = self._reference(client, probe)
             self.progress(1)
+            if repeat == 0 and probe.reference_ids:
+                # the reference must see the probe's donors, not the probe held as a donor:
+                # reusing the probe would repair its state a second time (an optimistic PPL)
+                self._flush(client)
+                self._send_donors(client, group)
+                rec.reference_logprobs = self._reference(client, probe)
         return reused_len
 
     def _vanilla(
@@ -355,9 +361,12 @@ def requests_per_group(group: RequestGroup, systems: Sequence[str], repeats: int
     n = 0
     probes = len(group.probes)
     donors = len(group.donors)
+    referenced = sum(1 for probe in group.probes if probe.reference_ids)
+    resent = 0
     for system in SEMBLEND_SYSTEMS:
         if system in systems:
             n += donors + probes
+            resent += donors * referenced  # the first repeat's reference runs after its donors
     if "vanilla" in systems:
         n += probes * (1 + (donors + 2 if donors else 0))
-    return n * repeats
+    return n * repeats + resent
