@@ -191,6 +191,14 @@ class Config:
         "at it and only the selected reused positions are computed after it.",
         minimum=0,
     )
+    recompute_check_share: float = setting(
+        1.0,
+        "deviation/query: share of a request's reused positions computed up to the check layer "
+        "and scored there (every span's first token, then evenly spread); the others keep the "
+        "donor's KV from the first layer on and are never recomputed (1: a dense check).",
+        minimum=0.01,
+        maximum=1.0,
+    )
     recompute_min_deviation: float = setting(
         1e-4,
         "deviation/query: recompute a reused position only when its relative K/V deviation at "
@@ -284,6 +292,13 @@ class Config:
         if self.dispatch_chunk_avg_tokens & (self.dispatch_chunk_avg_tokens - 1):
             raise ConfigError(
                 "dispatch_chunk_avg_tokens", self.dispatch_chunk_avg_tokens, "a power of two >= 8"
+            )
+        if self.quality_gate > 0.0 and self.recompute_check_share < 1.0:
+            raise ConfigError(
+                "recompute_check_share",
+                self.recompute_check_share,
+                "1 while quality_gate is set (the gate recomputes every reused position, so "
+                "every one must be computed up to the check layer)",
             )
         if self.mode == "substitute" and self.exact_materialization_only:
             raise ConfigError(

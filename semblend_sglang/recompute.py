@@ -12,6 +12,10 @@ rest keep the donor's KV. Strategies (:class:`RecomputeStrategy`):
 - ``query``: as ``deviation``, ranked instead by the attention the request's last computed
   tokens pay each reused key at the check layer (ProphetKV-style; :func:`query_attention`).
 
+With a *check share* below 1 only a sample of the reused positions (:func:`check_sample`) is
+computed up to the check layer and scored; the others keep the donor's KV in every layer, and
+the budget, still a share of every reused position, is spent on the sample.
+
 With a *minimum deviation* the budget is per request (:func:`select`): only reused positions
 whose K/V moved at least that much at the check layer are recomputed, up to the ratio, so spans
 that behave like an exact prefix cost nothing after the check layer.
@@ -79,6 +83,20 @@ def head_lengths(span_lengths: Sequence[int], ratio: float) -> list[int]:
     return [min(lo, n) for n in span_lengths]
 
 
+def check_sample(length: int, share: float) -> torch.Tensor:
+    """Offsets into a span of ``length`` reused positions computed up to the check layer when
+    only ``share`` of them are: ``ceil(m / share)`` for ``m = 0, 1, ...`` below ``length`` (the
+    span's first position, then one every ``1 / share``), CPU int64 ascending; all of them at
+    ``share`` 1."""
+    if length <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    if share >= 1.0:
+        return torch.arange(length, dtype=torch.int64)
+    count = math.ceil(length * share - 1e-9)
+    offsets = torch.ceil(torch.arange(count, dtype=torch.float64) / share - 1e-9).to(torch.int64)
+    return offsets[offsets < length]
+
+
 def kv_deviation(
     k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,14 +162,19 @@ def select(
     ratio: float,
     threshold: float,
     min_deviation: float = 0.0,
+    reused: int | None = None,
 ) -> Selection:
     """One request's :class:`Selection`: the top :func:`budget` candidates by ``scores``, or
-    every candidate when :func:`gate` on ``deviation`` refuses what is left.
+    every candidate when :func:`gate` on ``deviation`` refuses what is left. ``reused``: the
+    request's reused positions the budget is a share of when the candidates are a sample of
+    them (:func:`check_sample`; the budget is then at most the candidates); None: the
+    candidates are all of them.
 
     With ``min_deviation`` > 0 the budget is per request: only candidates whose ``deviation``
     is at least ``min_deviation`` may be chosen, so a request whose reused KV barely moved pays
     nothing and ``ratio`` becomes a ceiling."""
-    count = budget(int(scores.numel()), ratio)
+    candidates = int(scores.numel())
+    count = min(candidates, budget(candidates if reused is None else reused, ratio))
     if min_deviation > 0.0:
         eligible = deviation >= min_deviation
         count = min(count, int(eligible.sum()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -133,3 +134,40 @@ def test_only_heads_needs_no_check_layer() -> None:
     assert RecomputeStrategy.DEVIATION.uses_check_layer
     assert RecomputeStrategy.QUERY.uses_check_layer
     assert tuple(recompute.RecomputeStrategy) == ("heads", "deviation", "query")
+
+
+@pytest.mark.parametrize("share", [0.01, 0.1, 0.15, 0.3, 0.5, 0.77, 1.0])
+@pytest.mark.parametrize("length", [1, 2, 7, 100, 333, 2048])
+def test_check_sample_takes_the_span_head_and_a_share_spread_evenly(
+    length: int, share: float
+) -> None:
+    offsets = recompute.check_sample(length, share).tolist()
+    # the plain-loop reference: the first position, then every 1/share (rounded up)
+    want: list[int] = []
+    m = 0
+    while (at := math.ceil(m / share - 1e-9)) < length:
+        want.append(at)
+        m += 1
+    assert offsets == want
+    assert offsets[0] == 0 and offsets == sorted(set(offsets))
+    assert len(offsets) == math.floor((length - 1) * share + 1e-9) + 1  # about share * length
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
+    assert all(math.floor(1 / share) <= g <= math.ceil(1 / share) for g in gaps)
+    assert recompute.check_sample(0, share).numel() == 0
+
+
+def test_a_sampled_check_spends_the_budget_of_every_reused_position_on_the_sample() -> None:
+    """With candidates sampled out of ``reused`` positions, the budget is the ratio of all of
+    them, taken from the sample by score, and never more than the sample holds."""
+    deviation = torch.tensor([0.1, 0.5, 0.2, 0.4, 0.3, 0.0, 0.05, 0.6, 0.01, 0.02])
+    sel = recompute.select(deviation, deviation, 0.15, 0.0, reused=40)  # budget 6 of 10
+    assert sel.recompute.tolist() == [0, 1, 2, 3, 4, 7]
+    capped = recompute.select(deviation, deviation, 0.5, 0.0, reused=40)  # budget 20 > 10
+    assert capped.recompute.tolist() == list(range(10)) and capped.residual_deviation == 0.0
+    floor = recompute.select(deviation, deviation, 0.5, 0.0, min_deviation=0.25, reused=40)
+    assert floor.recompute.tolist() == [1, 3, 4, 7]
+    same = recompute.select(deviation, deviation, 0.3, 0.0, reused=10)
+    assert (
+        same.recompute.tolist()
+        == recompute.select(deviation, deviation, 0.3, 0.0).recompute.tolist()
+    )

@@ -1,29 +1,33 @@
 """The check layer of a ``deviation`` / ``query`` recompute, inside the model forward.
 
 A batch whose reused positions are selected at a check layer (:class:`.one_pass.BatchReuse`)
-runs dense up to that layer: every position is computed there and its K/V overwrite the
-donor's copy. At the check layer's attention, before it writes, each request's candidates (the
-positions it copied) are scored against the donor K/V still in their slots
+computes its candidates up to that layer: every copied position, or with
+``recompute_check_share`` below 1 a sample of them (the others left the batch before the first
+layer and keep the donor's KV in every layer). At the check layer's attention, before it
+writes, each request's candidates are scored against the donor K/V still in their slots
 (:mod:`semblend_sglang.recompute`); the unselected ones leave the batch right after the layer,
 so the layers after it compute only the gaps and the selected positions, their donor KV staying
 in the slots. The attention is then a sparse extend (:mod:`.attention`).
 
 This module is the one seam between the recompute and a model's code: it wraps, per model
 instance, each decoder layer's ``forward`` (to pass the shrunk positions and to shrink the
-hidden states after the check layer) and the ``RadixAttention`` of every layer from the check
-layer on. It knows the decoder layers of :data:`KNOWN_MODEL_CLASSES` (``forward(positions,
-hidden_states, forward_batch, ...)`` returning sglang's residual-stream handle, or a
-``(hidden, residual)`` pair); on any other model, pipeline or attention parallelism, or a check
-layer outside the model, :func:`install` logs one line and refuses (plans are then declined as
-``unsupported_model``).
+hidden states after the check layer) and the ``RadixAttention`` of every layer (a dense
+reference's K/V are forced there). It knows the decoder layers of
+:data:`KNOWN_MODEL_CLASSES` (``forward(positions, hidden_states, forward_batch, ...)``
+returning sglang's residual-stream handle, or a ``(hidden, residual)`` pair); on any other
+model, pipeline or attention parallelism, or a check layer outside the model, :func:`install`
+logs one line and refuses (plans are then declined as ``unsupported_model``).
 
 A request whose ``sampling_params.custom_params`` has ``semblend_dense_reference`` true runs
-as the *dense reference* of its selection: it keeps every position in every layer, and in the
-layers after the check layer the K/V of its unselected candidates are replaced by the donor's
-before attention. Its logits equal the sparse run's up to float rounding (tests use it).
+as the *dense reference* of its selection: it keeps every position in every layer; the K/V of
+its copied positions left out of the sample are replaced by the donor's before attention in
+every layer, and those of its unselected candidates in the layers after the check layer. Its
+logits equal the sparse run's up to float rounding (tests use it).
 
-If a forward does not match the batch that armed it, nothing is selected: every position is
-computed in every layer (a cold prefill's result), and the mismatch is logged once.
+If a forward does not match the batch that armed it, nothing is selected: every position still
+in the batch is computed in every layer (a cold prefill's result with a dense check; with a
+sample, the positions left out keep the donor's KV, which the publish cap keeps out of the
+exact cache like any reused KV), and the mismatch is logged once.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from semblend_sglang import recompute
 from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import RecomputeStrategy
 
-from .one_pass import batch_reuse
+from .one_pass import batch_reuse, wants_dense_reference
 from .request_flow import RequestFlow
 
 logger = logging.getLogger(__name__)
@@ -47,9 +51,6 @@ KNOWN_MODEL_CLASSES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 )
 """Model classes whose decoder layers this seam knows."""
-
-DENSE_REFERENCE_PARAM = "semblend_dense_reference"
-"""``custom_params`` key that makes a request run as the dense reference of its selection."""
 
 _FORWARD_ATTR = "_semblend_forward_check"
 _WRAPPED_ATTR = "_semblend_layer_hook"
@@ -62,12 +63,16 @@ class _RequestCheck:
     offsets: torch.Tensor
     final: bool
     reference: bool
+    reused: int
+    pinned: torch.Tensor
 
 
 @dataclass
 class _ForwardCheck:
     """One forward's check: armed by ``ForwardBatch.init_new``, bound to the forward whose
-    extend lengths are ``extend_lens``; filled at the check layer."""
+    extend lengths are ``extend_lens``; ``pin_rows``/``pin_slots`` (a dense reference's copied
+    positions left out of the sample) set when the forward takes it; filled at the check
+    layer."""
 
     requests: list[_RequestCheck]
     extend_lens: tuple[int, ...]
@@ -75,6 +80,8 @@ class _ForwardCheck:
     positions: torch.Tensor | None = None
     force_rows: torch.Tensor | None = None
     force_slots: torch.Tensor | None = None
+    pin_rows: torch.Tensor | None = None
+    pin_slots: torch.Tensor | None = None
 
 
 class LayerHook:
@@ -115,7 +122,15 @@ class LayerHook:
             cand = found.get(req.rid)
             if cand is not None and cand.offsets.numel():
                 requests.append(
-                    _RequestCheck(i, req.rid, cand.offsets, cand.final, _wants_reference(req))
+                    _RequestCheck(
+                        i,
+                        req.rid,
+                        cand.offsets,
+                        cand.final,
+                        wants_dense_reference(req),
+                        cand.reused,
+                        cand.pinned,
+                    )
                 )
         if requests:
             self.armed = _ForwardCheck(requests, tuple(int(x) for x in lens))
@@ -131,6 +146,12 @@ class LayerHook:
                 "check_layer", RuntimeError("the forward is not the batch that armed the check")
             )
             return None
+        starts = _request_starts(armed)
+        pins = [starts[rc.index] + rc.pinned for rc in armed.requests if rc.pinned.numel()]
+        if pins:
+            rows = torch.cat(pins).to(forward_batch.out_cache_loc.device)
+            armed.pin_rows = rows
+            armed.pin_slots = forward_batch.out_cache_loc[rows]
         setattr(forward_batch, _FORWARD_ATTR, armed)
         return armed
 
@@ -156,8 +177,6 @@ class LayerHook:
 
         layer.forward = forward
         self._wrapped.append(layer)
-        if index < self.check_layer:
-            return
         attn = _radix_attention(layer)
         attn_orig = attn.forward
 
@@ -177,8 +196,12 @@ class LayerHook:
                         forward_batch,
                         check,
                     )
-                elif index > hook.check_layer and check.force_rows is not None:
-                    k, v = hook._force(attn, k, v, forward_batch, check)
+                if index > hook.check_layer and check.force_rows is not None:
+                    assert check.force_slots is not None
+                    k, v = hook._force(attn, k, v, check.force_rows, check.force_slots)
+                elif index <= hook.check_layer and check.pin_rows is not None:
+                    assert check.pin_slots is not None
+                    k, v = hook._force(attn, k, v, check.pin_rows, check.pin_slots)
             return attn_orig(q, k, v, forward_batch, *args, **kw)
 
         attn.forward = attn_forward
@@ -203,9 +226,7 @@ class LayerHook:
         k_pool = self.pool.get_key_buffer(attn.layer_id)
         v_pool = self.pool.get_value_buffer(attn.layer_id)
         device = k.device
-        starts = [0]
-        for length in check.extend_lens[:-1]:
-            starts.append(starts[-1] + length)
+        starts = _request_starts(check)
         keep = torch.ones(n, dtype=torch.bool, device=device)
         forced: list[torch.Tensor] = []
         reports = []
@@ -216,7 +237,9 @@ class LayerHook:
             deviation = recompute.relative(diff, norm)
             scores = deviation
             if self.strategy is RecomputeStrategy.QUERY:
-                tail = _tail_rows(starts[rc.index], check.extend_lens[rc.index], rc.offsets)
+                tail = _tail_rows(
+                    starts[rc.index], check.extend_lens[rc.index], rc.offsets, rc.pinned
+                )
                 q3 = q.reshape(n, attn.tp_q_head_num, -1)
                 scores = recompute.query_attention(
                     q3[tail.to(device)], k3[rows], float(attn.scaling)
@@ -227,6 +250,7 @@ class LayerHook:
                 config.recompute_ratio,
                 config.quality_gate,
                 config.recompute_min_deviation,
+                rc.reused,
             )
             dropped = torch.ones(rows.numel(), dtype=torch.bool, device=device)
             dropped[selection.recompute] = False
@@ -236,6 +260,8 @@ class LayerHook:
                 keep[rows[dropped]] = False
             reports.append((rc, int(selection.recompute.numel()), selection))
         check.keep = keep
+        if check.pin_rows is not None:
+            forced.append(check.pin_rows)
         if forced:
             rows = torch.cat(forced)
             check.force_slots = forward_batch.out_cache_loc[rows]
@@ -269,23 +295,27 @@ class LayerHook:
         return out
 
     def _force(
-        self, attn: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
+        self, attn: Any, k: Any, v: Any, rows: torch.Tensor, slots: torch.Tensor
     ) -> tuple[Any, Any]:
-        """Dense reference: the unselected candidates' K/V become the donor's in the slots."""
-        assert check.force_rows is not None and check.force_slots is not None
+        """Dense reference: the K/V of ``rows`` become the donor's, read from their ``slots``
+        (in this layer's pool, before the attention writes)."""
         pool = self.pool
         n = int(k.shape[0])
         k3 = k.reshape(n, attn.tp_k_head_num, -1).clone()
         v3 = v.reshape(n, attn.tp_v_head_num, -1).clone()
-        k3[check.force_rows] = pool.get_key_buffer(attn.layer_id)[check.force_slots].to(k3.dtype)
-        v3[check.force_rows] = pool.get_value_buffer(attn.layer_id)[check.force_slots].to(v3.dtype)
+        k3[rows] = pool.get_key_buffer(attn.layer_id)[slots].to(k3.dtype)
+        v3[rows] = pool.get_value_buffer(attn.layer_id)[slots].to(v3.dtype)
         return k3.reshape(k.shape), v3.reshape(v.shape)
 
 
 # -------------------------------------------------------------------------- helpers
-def _wants_reference(req: Any) -> bool:
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(params, dict) and bool(params.get(DENSE_REFERENCE_PARAM))
+def _request_starts(check: _ForwardCheck) -> list[int]:
+    """The first row of each of the batch's requests in the forward of ``check`` (before the
+    check layer), by request index."""
+    starts = [0]
+    for length in check.extend_lens[:-1]:
+        starts.append(starts[-1] + length)
+    return starts
 
 
 def _radix_attention(layer: Any) -> Any:
@@ -295,11 +325,14 @@ def _radix_attention(layer: Any) -> Any:
     return found[0]
 
 
-def _tail_rows(start: int, length: int, offsets: torch.Tensor) -> torch.Tensor:
+def _tail_rows(
+    start: int, length: int, offsets: torch.Tensor, pinned: torch.Tensor
+) -> torch.Tensor:
     """The last :data:`~semblend_sglang.recompute.QUERY_TAIL_TOKENS` rows of a request's
-    segment that are not candidates (the prompt's own tail)."""
+    segment that are neither candidates nor pinned (the prompt's own tail)."""
     mine = torch.ones(length, dtype=torch.bool)
     mine[offsets] = False
+    mine[pinned] = False
     rows = torch.nonzero(mine).flatten()[-recompute.QUERY_TAIL_TOKENS :]
     return rows + start
 

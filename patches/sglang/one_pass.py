@@ -36,6 +36,7 @@ import torch
 
 from semblend_sglang.align import Span
 from semblend_sglang.plan import Reason
+from semblend_sglang.recompute import check_sample
 
 from . import rank_agreement
 from .request_reuse import RequestReuse
@@ -45,14 +46,31 @@ BATCH_ATTR = "_semblend_batch"
 """ScheduleBatch attribute: its :class:`BatchReuse` (None, or absent, for a batch with none)."""
 
 
+DENSE_REFERENCE_PARAM = "semblend_dense_reference"
+"""``custom_params`` key that makes a request run as the dense reference of its selection
+(:mod:`.check_layer`): it keeps every copied position in every layer."""
+
+
 @dataclass(frozen=True)
 class CheckCandidates:
     """One request's copied positions in a batch that selects at the check layer: ``offsets``
-    into the request's computed tokens of this chunk (CPU int64, ascending); ``final``: the
-    chunk ends the prompt (the outcome is recorded at the check)."""
+    into the request's computed tokens of this chunk (CPU int64, ascending) of the positions
+    scored there (all copied positions, or their :func:`~semblend_sglang.recompute.check_sample`);
+    ``final``: the chunk ends the prompt (the outcome is recorded at the check); ``reused``:
+    every position the request copied in this chunk (the budget's base); ``pinned``: offsets of
+    copied positions left out of the sample that a dense reference still computes (their K/V
+    forced to the donor's in every layer; empty otherwise)."""
 
     offsets: torch.Tensor
     final: bool
+    reused: int
+    pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+
+def wants_dense_reference(req: Any) -> bool:
+    """``req`` asked to run as the dense reference (:data:`DENSE_REFERENCE_PARAM`)."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and bool(params.get(DENSE_REFERENCE_PARAM))
 
 
 @dataclass
@@ -83,8 +101,9 @@ def _own_batch_reuse(batch: Any) -> BatchReuse:
 class LoadParams:
     """One prepared prefill batch to load: its ``cache`` and ``batch``, the open plans of its
     requests (``states`` by rid), the version's ``view``, the model's RoPE ``spec``, the ranks
-    that run it too (``peers``), whether a check layer selects (``check``), and the stream the
-    engine's forward runs on (``forward_stream``; None on CPU)."""
+    that run it too (``peers``), whether a check layer selects (``check``), the stream the
+    engine's forward runs on (``forward_stream``; None on CPU) and, with ``check``, the share
+    of copied positions computed up to the check layer (``check_share``)."""
 
     cache: Any
     batch: Any
@@ -94,6 +113,7 @@ class LoadParams:
     peers: list[Any]
     check: bool = False
     forward_stream: Any = None
+    check_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -124,8 +144,9 @@ class _RequestLoad:
 
 def load_batch_spans(params: LoadParams) -> LoadResult:
     """Copy the reused spans of ``params.batch`` (after ``prepare_for_extend``) and make its
-    extend sparse, or, with ``check`` (a check-layer strategy), leave every position computed
-    and record the copied ones as the batch's check candidates (:class:`BatchReuse`). A span
+    extend sparse, or, with ``check`` (a check-layer strategy), keep the copied positions of
+    the ``check_share`` sample computed (every one at 1) and record them as the batch's check
+    candidates (:class:`BatchReuse`), the rest being dropped like a sparse extend's. A span
     whose donor KV is not on the device (``view.match_donor``) is computed instead. Each plan
     advances through its own transitions (loaded, skipped; at its last chunk complete or
     decline); the caller drops the plans that ended.
@@ -157,9 +178,9 @@ def load_batch_spans(params: LoadParams) -> LoadResult:
     if not loads:
         return LoadResult()
     if params.check:
-        _record_candidates(batch, loads)
+        _record_candidates(batch, loads, params.check_share)
     else:
-        _sparsify(batch, loads)
+        _sparsify(batch, {load.index: (load, _computed_mask(load)) for load in loads})
     recomputed = sum(_advance(load, deferred=params.check and bool(load.copied)) for load in loads)
     return LoadResult(tuple(load.state for load in loads), recomputed, seconds)
 
@@ -324,9 +345,14 @@ def _computed_mask(load: _RequestLoad) -> torch.Tensor:
     return mask
 
 
-def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
-    """Drop the copied positions from the batch's computed tokens; keep their true positions."""
-    copied = {load.index: load for load in loads if load.copied}
+def _sparsify(batch: Any, masks: dict[int, tuple[_RequestLoad, torch.Tensor]]) -> None:
+    """Drop from the batch's computed tokens the chunk positions of each load whose mask
+    (``masks``: request index -> (load, mask over ``lo..hi``)) is False; keep the true
+    positions of the rest. A load that copied nothing, or whose mask drops nothing, is left
+    dense."""
+    copied = {
+        i: (load, mask) for i, (load, mask) in masks.items() if load.copied and not bool(mask.all())
+    }
     if not copied:
         return
     ids = batch.prefill_input_ids_cpu
@@ -336,9 +362,9 @@ def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     sparse = _own_batch_reuse(batch).sparse
     start = 0
     for i in range(len(batch.reqs)):
-        load = copied.get(i)
-        if load is not None:
-            mask = _computed_mask(load)
+        found = copied.get(i)
+        if found is not None:
+            load, mask = found
             keep[start : start + ext[i]] = mask
             sparse[load.req.rid] = torch.arange(load.lo, load.hi, dtype=torch.int64)[mask]
             tail = ext[i] - int(batch.extend_logprob_start_lens[i])
@@ -353,15 +379,35 @@ def _sparsify(batch: Any, loads: list[_RequestLoad]) -> None:
     batch.extend_num_tokens = sum(ext)
 
 
-def _record_candidates(batch: Any, loads: list[_RequestLoad]) -> None:
-    """Keep the batch dense; note each load's copied positions as check candidates."""
+def _record_candidates(batch: Any, loads: list[_RequestLoad], share: float) -> None:
+    """Note each load's sampled copied positions (:func:`_check_sample_mask`) as check
+    candidates and drop the others from the batch's computed tokens (a dense reference keeps
+    them, as ``pinned``)."""
     found = _own_batch_reuse(batch).candidates
+    masks: dict[int, tuple[_RequestLoad, torch.Tensor]] = {}
     for load in loads:
         if not load.copied:
             continue
-        offsets = torch.nonzero(~_computed_mask(load)).flatten()
+        copied = ~_computed_mask(load)
+        sampled = _check_sample_mask(load, share)
+        computed = ~copied | sampled
+        if wants_dense_reference(load.req):
+            computed = torch.ones_like(copied)
+        offsets = torch.nonzero(sampled[computed]).flatten()
+        pinned = torch.nonzero((copied & ~sampled)[computed]).flatten()
         final = load.hi >= len(load.req.origin_input_ids)
-        found[load.req.rid] = CheckCandidates(offsets, final)
+        found[load.req.rid] = CheckCandidates(offsets, final, int(copied.sum()), pinned)
+        masks[load.index] = (load, computed)
+    _sparsify(batch, masks)
+
+
+def _check_sample_mask(load: _RequestLoad, share: float) -> torch.Tensor:
+    """Over the load's chunk positions ``lo..hi``: True at the copied positions computed up to
+    the check layer (:func:`~semblend_sglang.recompute.check_sample` of each copied span)."""
+    mask = torch.zeros(load.hi - load.lo, dtype=torch.bool)
+    for span, _ in load.copied:
+        mask[span.target_start - load.lo + check_sample(span.length, share)] = True
+    return mask
 
 
 def _advance(load: _RequestLoad, deferred: bool = False) -> int:

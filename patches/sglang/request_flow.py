@@ -276,6 +276,7 @@ class RequestFlow:
             peers,
             runtime.check_layer_active,
             runtime.forward_stream,
+            float(self.config.recompute_check_share),
         )
         try:
             result = one_pass.load_batch_spans(params)
