@@ -12,9 +12,10 @@ rest keep the donor's KV. Strategies (:class:`RecomputeStrategy`):
 - ``query``: as ``deviation``, ranked instead by the attention the request's last computed
   tokens pay each reused key at the check layer (ProphetKV-style; :func:`query_attention`).
 
-With a *check share* below 1 only a sample of the reused positions (:func:`check_sample`) is
-computed up to the check layer and scored; the others keep the donor's KV in every layer, and
-the budget, still a share of every reused position, is spent on the sample.
+With a *check share* below 1 only a sample of a plan's reused positions (:func:`check_sample`)
+is computed up to the check layer and scored, for plans of few spans (:class:`CheckSampling`);
+the others keep the donor's KV in every layer, and the budget, still a share of every reused
+position, is spent on the sample.
 
 With a *minimum deviation* the budget is per request (:func:`select`): only reused positions
 whose K/V moved at least that much at the check layer are recomputed, up to the ratio, so spans
@@ -81,6 +82,28 @@ def head_lengths(span_lengths: Sequence[int], ratio: float) -> list[int]:
         else:
             lo = k + 1
     return [min(lo, n) for n in span_lengths]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckSampling:
+    """Which plans a check computes on a sample: those of at most ``max_spans`` spans, on
+    ``share`` of their reused positions (``recompute_check_share`` and
+    ``recompute_check_max_spans``). Built once per server from its settings; the quality gate
+    needs every position scored, so a server with the gate on samples no plan."""
+
+    share: float = 1.0
+    max_spans: int = 0
+
+    @classmethod
+    def of(cls, share: float, max_spans: int, quality_gate: float) -> CheckSampling:
+        """The sampling of a server with these settings."""
+        if quality_gate > 0.0 or share >= 1.0:
+            return cls()
+        return cls(share, max_spans)
+
+    def share_for(self, spans: int) -> float:
+        """The share of a plan of ``spans`` spans computed up to the check layer (1: all)."""
+        return self.share if spans <= self.max_spans else 1.0
 
 
 def check_sample(length: int, share: float) -> torch.Tensor:

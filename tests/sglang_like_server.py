@@ -41,6 +41,8 @@ RESOLVED_CONFIG: dict[str, Any] = {
     "recompute_strategy": "deviation",
     "recompute_ratio": 0.15,
     "recompute_check_layer": 1,
+    "recompute_check_share": 0.15,
+    "recompute_check_max_spans": 1,
     "recompute_min_deviation": 1e-4,
     "quality_gate": 0.0,
 }

@@ -141,7 +141,8 @@ def test_gate_declines_and_recomputed_tokens_land_in_their_own_cell() -> None:
     assert gated_line.split()[-5:-1] == ["heads", "5%", "100", "1"]
     assert settings_lines(runner.configs) == [
         "exact_spans: recompute_strategy=heads recompute_ratio=0.05 recompute_check_layer=1 "
-        "recompute_min_deviation=0.0001 quality_gate=0.0"
+        "recompute_check_share=0.15 recompute_check_max_spans=1 recompute_min_deviation=0.0001 "
+        "quality_gate=0.0"
     ]
 
 
@@ -164,7 +165,8 @@ def test_a_server_without_the_recompute_keys_reports_them_unknown_and_zero() -> 
     assert recompute_label(row) == "? ?"
     assert settings_lines({"exact_spans": {"mode": "exact_spans"}}) == [
         "exact_spans: recompute_strategy=? recompute_ratio=? recompute_check_layer=? "
-        "recompute_min_deviation=? quality_gate=?"
+        "recompute_check_share=? recompute_check_max_spans=? recompute_min_deviation=? "
+        "quality_gate=?"
     ]
     (row,) = summarize(runner.records)  # no configs at all (records read back from a JSON)
     assert row["exact_spans_recompute_strategy"] is None
@@ -221,21 +223,22 @@ def test_markdown_table_puts_each_workloads_settings_side_by_side(tmp_path: Path
     older = _run(ServerState(config=None, recompute_counter=False), workloads[:1])
     reports.append({"summary": summarize(older.records)})  # like a schema-3 report
     lines = markdown_table(reports).splitlines()
-    assert lines[0].startswith("| strategy | ratio | min dev | workload | ctx | cold |")
+    assert lines[0].startswith("| strategy | ratio | min dev | check | workload | ctx | cold |")
     assert lines[0].endswith(
         "| gate declines | greedy agree (hits) | cold margin at divergence | PPL ratio |"
     )
-    assert lines[1] == "|" + "---|" * 17
+    assert lines[1] == "|" + "---|" * 18
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert [c[:5] for c in cells] == [
-        ["?", "?", "?", "rag", "512"],
-        ["heads", "0%", "1e-04", "rag", "512"],
-        ["heads", "5%", "1e-04", "rag", "512"],
-        ["query", "30%", "1e-04", "rag", "512"],
-        ["heads", "0%", "1e-04", "template", "512"],
-        ["heads", "5%", "1e-04", "template", "512"],
-        ["query", "30%", "1e-04", "template", "512"],
+    assert [c[:6] for c in cells] == [
+        ["?", "?", "?", "?", "rag", "512"],
+        ["heads", "0%", "1e-04", "15%", "rag", "512"],
+        ["heads", "5%", "1e-04", "15%", "rag", "512"],
+        ["query", "30%", "1e-04", "15%", "rag", "512"],
+        ["heads", "0%", "1e-04", "15%", "template", "512"],
+        ["heads", "5%", "1e-04", "15%", "template", "512"],
+        ["query", "30%", "1e-04", "15%", "template", "512"],
     ]
+    cells = [c[:3] + c[4:] for c in cells]  # past the check share, the columns as before it
     share = {(c[0], c[1], c[3]): c[12] for c in cells}
     assert share[("heads", "0%", "rag")] == "0%" and share[("query", "30%", "rag")] == "30%"
     assert all(c[10] == "100%" and c[13] == "0" for c in cells if c[0] != "?")

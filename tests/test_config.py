@@ -197,15 +197,11 @@ def test_substitute_mode_needs_exact_materialization_off() -> None:
     assert config.mode == "substitute"
 
 
-def test_a_sampled_check_cannot_serve_the_quality_gate() -> None:
-    """The gate recomputes every reused position, which a sample computed only in part."""
-    with pytest.raises(ConfigError, match="recompute_check_share") as err:
-        Config.from_env({"SEMBLEND_QUALITY_GATE": "1e-3", "SEMBLEND_RECOMPUTE_CHECK_SHARE": "0.3"})
-    assert "quality_gate" in str(err.value)
+def test_the_check_share_is_a_share() -> None:
     assert Config.from_env({"SEMBLEND_RECOMPUTE_CHECK_SHARE": "0.3"}).recompute_check_share == 0.3
-    assert Config.from_env({"SEMBLEND_QUALITY_GATE": "1e-3"}).recompute_check_share == 1.0
-    with pytest.raises(ConfigError, match="SEMBLEND_RECOMPUTE_CHECK_SHARE"):
-        Config.from_env({"SEMBLEND_RECOMPUTE_CHECK_SHARE": "0"})
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="SEMBLEND_RECOMPUTE_CHECK_SHARE"):
+            Config.from_env({"SEMBLEND_RECOMPUTE_CHECK_SHARE": bad})
 
 
 def test_cli_mapping_covers_every_field() -> None:

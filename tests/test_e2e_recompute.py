@@ -36,21 +36,24 @@ SERVERS: dict[str, dict[str, str]] = {
         "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
         "SEMBLEND_RECOMPUTE_RATIO": "0.3",
         "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
+        "SEMBLEND_RECOMPUTE_CHECK_SHARE": "1",
     },
-    # a minimum deviation no K/V moves by: every request's budget is zero
+    # a minimum deviation no K/V moves by: every request's budget is zero (the default sampled
+    # check of a one-span plan)
     "floor": {
         "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
         "SEMBLEND_RECOMPUTE_RATIO": "0.3",
         "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "1e6",
     },
-    # a fifth of the copied positions computed up to the check layer: fewer than the budget
+    # a fifth of a one-span plan's copied positions computed up to the check layer: fewer than
+    # the budget
     "sampled": {
         "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
         "SEMBLEND_RECOMPUTE_RATIO": "0.3",
         "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
         "SEMBLEND_RECOMPUTE_CHECK_SHARE": "0.2",
     },
-    # a quality gate below any deviation: every reuse is refused
+    # a quality gate below any deviation: every reuse is refused (and no plan is sampled)
     "gate": {
         "SEMBLEND_RECOMPUTE_STRATEGY": "query",
         "SEMBLEND_RECOMPUTE_RATIO": "0.15",
@@ -164,6 +167,27 @@ def test_a_sampled_check_answers_like_its_dense_reference_within_the_sample(
     _assert_same_answer(sparse, dense)
     cold = _answer(url, target, salt="cold")
     assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("recompute_server", ["sampled"], indirect=True)
+def test_a_plan_of_several_spans_is_checked_on_every_reused_position(
+    recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
+) -> None:
+    """The same passage with its halves swapped is a plan of two spans: more than
+    ``recompute_check_max_spans`` (1), so its check scores every copied position and the full
+    30% budget is spent, not a fifth."""
+    url = recompute_server.url
+    donor, target = prompts
+    doc = donor[-900:]
+    at = next(i for i in range(len(target)) if target[i : i + 900] == doc)
+    swapped = target[:at] + doc[450:] + doc[:450] + target[at + 900 :]
+    before = _after_fresh_donor(url, donor)
+    _answer(url, swapped, 1)
+    after = semblend_totals(url)
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1
+    kept = after["reused_tokens"] - before["reused_tokens"]
+    recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
+    assert kept + recomputed >= 700 and recomputed >= 0.29 * (kept + recomputed), (kept, recomputed)
 
 
 @pytest.mark.parametrize("recompute_server", ["floor"], indirect=True)

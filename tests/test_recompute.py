@@ -171,3 +171,15 @@ def test_a_sampled_check_spends_the_budget_of_every_reused_position_on_the_sampl
         same.recompute.tolist()
         == recompute.select(deviation, deviation, 0.3, 0.0).recompute.tolist()
     )
+
+
+def test_only_plans_of_few_spans_are_checked_on_a_sample_and_none_under_the_gate() -> None:
+    sampling = recompute.CheckSampling.of(0.15, 1, 0.0)
+    assert [sampling.share_for(n) for n in (1, 2, 8)] == [0.15, 1.0, 1.0]
+    wider = recompute.CheckSampling.of(0.15, 4, 0.0)
+    assert [wider.share_for(n) for n in (1, 4, 5)] == [0.15, 0.15, 1.0]
+    assert recompute.CheckSampling.of(0.15, 0, 0.0).share_for(1) == 1.0  # 0: no plan
+    # the quality gate recomputes every reused position, so every one must be scored
+    assert recompute.CheckSampling.of(0.15, 8, 1e-3).share_for(1) == 1.0
+    assert recompute.CheckSampling.of(1.0, 8, 0.0).share_for(1) == 1.0
+    assert recompute.CheckSampling().share_for(1) == 1.0

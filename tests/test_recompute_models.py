@@ -52,6 +52,7 @@ RECOMPUTE_ENV = {
     "SEMBLEND_RECOMPUTE_RATIO": str(RATIO),
     "SEMBLEND_RECOMPUTE_CHECK_LAYER": "1",
     "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",  # the budget is spent whatever the deviation
+    "SEMBLEND_RECOMPUTE_CHECK_SHARE": "1",  # every copied position scored: a dense check
 }
 
 

@@ -460,4 +460,11 @@ def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
     object.__setattr__(model, _WRAPPED_ATTR, hook)
     runtime.layer_check = True
     runtime.check_hook = hook
+    config = runtime.config
+    if config.quality_gate > 0.0 and config.recompute_check_share < 1.0:
+        logger.warning(
+            "semblend: quality_gate is set, so every plan is checked on all its reused "
+            "positions (recompute_check_share=%s is not used)",
+            config.recompute_check_share,
+        )
     return hook

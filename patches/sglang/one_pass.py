@@ -36,7 +36,7 @@ import torch
 
 from semblend_sglang.align import Span
 from semblend_sglang.plan import Reason
-from semblend_sglang.recompute import check_sample
+from semblend_sglang.recompute import CheckSampling, check_sample
 
 from . import rank_agreement
 from .request_reuse import RequestReuse
@@ -102,8 +102,8 @@ class LoadParams:
     """One prepared prefill batch to load: its ``cache`` and ``batch``, the open plans of its
     requests (``states`` by rid), the version's ``view``, the model's RoPE ``spec``, the ranks
     that run it too (``peers``), whether a check layer selects (``check``), the stream the
-    engine's forward runs on (``forward_stream``; None on CPU) and, with ``check``, the share
-    of copied positions computed up to the check layer (``check_share``)."""
+    engine's forward runs on (``forward_stream``; None on CPU) and, with ``check``, which plans'
+    copied positions are computed up to the check layer on a sample (``sampling``)."""
 
     cache: Any
     batch: Any
@@ -113,7 +113,7 @@ class LoadParams:
     peers: list[Any]
     check: bool = False
     forward_stream: Any = None
-    check_share: float = 1.0
+    sampling: CheckSampling = field(default_factory=CheckSampling)
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ class _RequestLoad:
 def load_batch_spans(params: LoadParams) -> LoadResult:
     """Copy the reused spans of ``params.batch`` (after ``prepare_for_extend``) and make its
     extend sparse, or, with ``check`` (a check-layer strategy), keep the copied positions of
-    the ``check_share`` sample computed (every one at 1) and record them as the batch's check
-    candidates (:class:`BatchReuse`), the rest being dropped like a sparse extend's. A span
+    each plan's check sample (``sampling``; every one of a plan it does not sample) computed and
+    record them as the batch's check candidates (:class:`BatchReuse`), the rest being dropped
+    like a sparse extend's. A span
     whose donor KV is not on the device (``view.match_donor``) is computed instead. Each plan
     advances through its own transitions (loaded, skipped; at its last chunk complete or
     decline); the caller drops the plans that ended.
@@ -178,7 +179,7 @@ def load_batch_spans(params: LoadParams) -> LoadResult:
     if not loads:
         return LoadResult()
     if params.check:
-        _record_candidates(batch, loads, params.check_share)
+        _record_candidates(batch, loads, params.sampling)
     else:
         _sparsify(batch, {load.index: (load, _computed_mask(load)) for load in loads})
     recomputed = sum(_advance(load, deferred=params.check and bool(load.copied)) for load in loads)
@@ -379,7 +380,7 @@ def _sparsify(batch: Any, masks: dict[int, tuple[_RequestLoad, torch.Tensor]]) -
     batch.extend_num_tokens = sum(ext)
 
 
-def _record_candidates(batch: Any, loads: list[_RequestLoad], share: float) -> None:
+def _record_candidates(batch: Any, loads: list[_RequestLoad], sampling: CheckSampling) -> None:
     """Note each load's sampled copied positions (:func:`_check_sample_mask`) as check
     candidates and drop the others from the batch's computed tokens (a dense reference keeps
     them, as ``pinned``)."""
@@ -389,7 +390,7 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad], share: float) -> N
         if not load.copied:
             continue
         copied = ~_computed_mask(load)
-        sampled = _check_sample_mask(load, share)
+        sampled = _check_sample_mask(load, sampling.share_for(len(load.state.plan.spans)))
         computed = ~copied | sampled
         if wants_dense_reference(load.req):
             computed = torch.ones_like(copied)

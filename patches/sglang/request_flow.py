@@ -34,7 +34,7 @@ from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
-from semblend_sglang.recompute import RecomputeStrategy, head_lengths
+from semblend_sglang.recompute import CheckSampling, RecomputeStrategy, head_lengths
 
 from . import attention, one_pass
 from .held_donors import HeldDonors, PendingKeep
@@ -80,6 +80,10 @@ class RequestFlow:
         self.backend_ok: bool | None = None
         """Whether the model runner's attention backend runs a sparse extend (None until the
         first forward shows it)."""
+        self.check_sampling = CheckSampling.of(
+            config.recompute_check_share, config.recompute_check_max_spans, config.quality_gate
+        )
+        """Which plans a check-layer strategy checks on a sample of their reused positions."""
 
     # ----------------------------------------------------------------- 0. the guard
     def guarded(
@@ -276,7 +280,7 @@ class RequestFlow:
             peers,
             runtime.check_layer_active,
             runtime.forward_stream,
-            float(self.config.recompute_check_share),
+            self.check_sampling,
         )
         try:
             result = one_pass.load_batch_spans(params)

@@ -69,9 +69,11 @@ answer: ``kind``, ``answers``, ``dataset``; null for other workloads); summary r
 ``qa_probes``, ``qa_span_probes`` and per scored source (cold, exact_same_length, exact_spans,
 substitute, exact_spans_sglang_dispatch) ``_accuracy``, ``_f1`` and ``_qa_n``; and per semblend
 system ``_recompute_min_deviation`` (resolved; None: not reported). 9: semblend systems'
-probe records of repeat 0 carry ``margins`` too (:mod:`.gate_eval` reads them). 10: no new
-key; semblend systems' ``reference_logprobs`` come from a request sent after a flush and the
-group's donors again (before, it could reuse the probe itself and be repaired twice)."""
+probe records of repeat 0 carry ``margins`` too (:mod:`.gate_eval` reads them). 10: summary
+rows carry per semblend system ``_recompute_check_share`` and ``_recompute_check_max_spans``
+(resolved; None: not reported);
+semblend systems' ``reference_logprobs`` come from a request sent after a flush and the group's
+donors again (before, it could reuse the probe itself and be repaired twice)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

@@ -43,6 +43,8 @@ RECOMPUTE_SETTINGS = (
     "recompute_strategy",
     "recompute_ratio",
     "recompute_check_layer",
+    "recompute_check_share",
+    "recompute_check_max_spans",
     "recompute_min_deviation",
     "quality_gate",
 )

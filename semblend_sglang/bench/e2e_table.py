@@ -69,14 +69,19 @@ def _floor_label(value: float | None) -> str:
     return "0" if value == 0 else f"{value:.0e}"
 
 
+def _share_label(value: float | None) -> str:
+    """``recompute_check_share`` as resolved: e.g. ``30%``, ``100%`` (a dense check), or ``?``."""
+    return "?" if value is None else f"{value * 100:.0f}%"
+
+
 def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table of the summary rows of ``reports`` (parsed e2e JSON files) in which
-    exact_spans ran: strategy, ratio, minimum deviation (as its server resolved them; ``?``
-    when not reported),
+    exact_spans ran: strategy, ratio, minimum deviation, check share (as its server resolved
+    them; ``?`` when not reported),
     row name (:func:`.e2e_summary.row_name`), context length, then :data:`MARKDOWN_COLUMNS`
     and, when a row has QA probes, :data:`QA_MARKDOWN_COLUMNS` (``—`` for a missing value).
-    Sorted by context length, row name, strategy, ratio, then minimum deviation; a
-    header line only when no report has such a row."""
+    Sorted by context length, row name, strategy, ratio, minimum deviation, then check share;
+    a header line only when no report has such a row."""
     rows = [
         row
         for report in reports
@@ -88,18 +93,28 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
         ratio = row.get("exact_spans_recompute_ratio")
         strategy = row.get("exact_spans_recompute_strategy") or ""
         floor = row.get("exact_spans_recompute_min_deviation") or 0.0
-        return (row["context_tokens"], row_name(row), strategy, ratio is None, ratio or 0.0, floor)
+        share = row.get("exact_spans_recompute_check_share") or 0.0
+        return (
+            row["context_tokens"],
+            row_name(row),
+            strategy,
+            ratio is None,
+            ratio or 0.0,
+            floor,
+            share,
+        )
 
     columns = MARKDOWN_COLUMNS
     if any(row.get("qa_probes") for row in rows):
         columns += QA_MARKDOWN_COLUMNS
-    head = ["strategy", "ratio", "min dev", "workload", "ctx", *(h for h, *_ in columns)]
+    head = ["strategy", "ratio", "min dev", "check", "workload", "ctx", *(h for h, *_ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in sorted(rows, key=order):
         cells = [
             row.get("exact_spans_recompute_strategy") or "?",
             ratio_label(row.get("exact_spans_recompute_ratio")),
             _floor_label(row.get("exact_spans_recompute_min_deviation")),
+            _share_label(row.get("exact_spans_recompute_check_share")),
             row_name(row),
             str(row["context_tokens"]),
             *(_cell(row, key, spec) for _, key, spec in columns),
