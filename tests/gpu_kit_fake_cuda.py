@@ -19,7 +19,8 @@ Writes OUT.json: ``{"failed": {module: error}, "modules": {name: file}, "stand_i
 ``modules`` is every module loaded at the end (with its file when it has one), ``stand_in`` the
 names looked up on the ``sgl_kernel`` stand-in that it lacks, the calls it received, which runtime
 fixes are active, what ``DualGemm._select_mode`` answered for a bf16 Llama MLP and what
-``memory_pool.can_use_store_cache`` answers for 1,024-byte rows.
+``memory_pool.can_use_store_cache`` answers for 1,024-byte rows, and which path
+(``BaseFusedOp`` backend) RMSNorm, SiluAndMul and RoPE took when run once on CPU tensors.
 """
 
 from __future__ import annotations
@@ -130,6 +131,39 @@ def select_mode_answer() -> Any:
     return None if mode is None else str(mode)
 
 
+def fused_op_paths() -> dict[str, Any]:
+    """Run RMSNorm (plain and with residual), SiluAndMul and a NeoX RotaryEmbedding once on CPU
+    tensors through ``BaseFusedOp.forward`` with sglang's fused-op trace on; returns op name ->
+    the backends the calls took (``torch`` is ``forward_native``), or the error."""
+    import torch
+    from sglang.kernels.fused_op import (
+        clear_fused_op_trace,
+        disable_fused_op_trace,
+        enable_fused_op_trace,
+        get_fused_op_trace,
+    )
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    x = torch.randn(4, 64)
+    rope = get_rope(32, 32, 128, 10000, is_neox_style=True, dtype=torch.float32)
+    clear_fused_op_trace()
+    enable_fused_op_trace()
+    try:
+        norm = RMSNorm(64)
+        norm(x)
+        norm(x.clone(), x.clone())
+        SiluAndMul()(torch.randn(4, 128))
+        rope(torch.arange(4), torch.randn(4, 64), torch.randn(4, 64))
+    finally:
+        disable_fused_op_trace()
+    paths: dict[str, Any] = {}
+    for record in get_fused_op_trace():
+        paths.setdefault(record.op, set()).add(record.backend)
+    return {op: sorted(backends) for op, backends in paths.items()}
+
+
 def main(out: Path, allow: Path, modules: list[str]) -> None:
     """Import ``modules`` with CUDA faked and only what ``allow`` lists importable; write the
     report described above to ``out``."""
@@ -153,6 +187,10 @@ def main(out: Path, allow: Path, modules: list[str]) -> None:
     except BaseException as exc:
         select_mode = f"raised {type(exc).__name__}: {exc}"
     try:
+        paths: Any = fused_op_paths()
+    except BaseException as exc:
+        paths = f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-6)}"
+    try:
         from sglang.srt.mem_cache import memory_pool
 
         store_cache: Any = memory_pool.can_use_store_cache(1024, 1024)
@@ -175,6 +213,7 @@ def main(out: Path, allow: Path, modules: list[str]) -> None:
             "active": dict(getattr(runtime, "ACTIVE", {})),
             "select_mode": select_mode,
             "can_use_store_cache": store_cache,
+            "fused_op_paths": paths,
         },
     }
     out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")

@@ -99,6 +99,7 @@ def fake_cuda_report(manifest: dict[str, Any], tmp_path_factory: pytest.TempPath
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE",)}
     env["PYTHONPATH"] = str(RUNTIME)
     env["SEMBLEND_GPU_STORE_CACHE"] = "torch"
+    env["SGLANG_FORCE_FUSED_OP_BACKEND"] = "torch"  # as scripts/gpu/run_kit.sh sets it
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tests" / "gpu_kit_fake_cuda.py"), str(out), str(allow)]
         + manifest["server_path_modules"],
@@ -359,7 +360,15 @@ def test_server_path_imports_with_cuda_faked_and_the_kit_runtime(
     assert stand["active"] == {"dual_gemm_standin": True, "store_cache_torch": True}
     assert stand["select_mode"] is None  # DualGemm unavailable: every MLP runs its plain path
     assert stand["can_use_store_cache"] is False  # K/V writes take sglang's torch path
-    assert stand["calls"] == {}  # importing ran no kernel
+    # SGLANG_FORCE_FUSED_OP_BACKEND=torch sends norms, activations and RoPE to forward_native:
+    # no sgl_kernel stand-in and no JIT kernel on a dense forward (without it SiluAndMul takes
+    # sglang's JIT kernel and RoPE asks sgl_kernel for names the stand-in does not have).
+    assert stand["fused_op_paths"] == {
+        "RMSNorm": ["torch"],
+        "RotaryEmbedding": ["torch"],
+        "SiluAndMul": ["torch"],
+    }
+    assert stand["calls"] == {} and stand["missing"] == []
     assert loaded["IPython.display"] == str(RUNTIME / "IPython" / "display.py")
 
 
@@ -390,6 +399,21 @@ def test_every_kit_wheel_is_imported_where_the_manifest_says(
         assert wheel["why"]
 
 
+def test_host_packages_the_server_path_uses_are_the_manifests(
+    manifest: dict[str, Any], fake_cuda_report: dict[str, Any]
+) -> None:
+    """run_kit.sh's preflight checks these on the host: the host distributions whose modules
+    the server path loaded."""
+    loaded_tops = {name.split(".")[0] for name in fake_cuda_report["modules"]}
+    top_level = _top_level_names()
+    used = {
+        d
+        for d in manifest["host"]["distributions"]
+        if top_level.get(_normalize(d), set()) & loaded_tops
+    }
+    assert used == set(manifest["host"]["used_by_server_path"])
+
+
 # --- the manifest and the budget ------------------------------------------------------------
 
 
@@ -404,9 +428,11 @@ def test_manifest_pins_what_this_venv_has_installed(manifest: dict[str, Any]) ->
         assert 0 < wheel["size"] < 4 * MIB
         tags = wheel["file"].removesuffix(".whl").split("-")[-3:]
         assert tags[0] in ("py3", "py2.py3", "cp312"), wheel["file"]  # runs on Python 3.12
-    names = [w["name"].lower() for w in manifest["wheels"]]
+    names = [_normalize(w["name"]) for w in manifest["wheels"]]
     assert len(names) == len(set(names))
-    assert not set(names) & {d.lower() for d in manifest["host"]["distributions"]}
+    host = {_normalize(d) for d in manifest["host"]["distributions"]}
+    overrides = {_normalize(w["name"]) for w in manifest["wheels"] if w.get("overrides_host")}
+    assert set(names) & host == overrides  # carried although the host has it: said so
     trim = manifest["sglang_trim"]
     assert "-cp312-cp312-" in trim["source_file"]
     assert trim["size"] < trim["source_size"] / 2
@@ -476,3 +502,63 @@ def test_model_shapes(build_kit: ModuleType) -> None:
 
 def test_carry_folder_is_git_ignored() -> None:
     assert "/gpu-kit/" in (REPO_ROOT / ".gitignore").read_text().splitlines()
+
+
+# --- the GPU run script, checked without a GPU ----------------------------------------------
+
+
+RUN_KIT = GPU_DIR / "run_kit.sh"
+
+
+def test_run_kit_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(RUN_KIT)], check=True)
+
+
+def _fake_kit(root: Path) -> Path:
+    kit = root / "kit"
+    for sub in ("wheels", "runtime", "models/smollm2-135m"):
+        (kit / sub).mkdir(parents=True)
+    (kit / "kit.json").write_text("{}\n")
+    return kit
+
+
+def test_run_kit_dry_run_prints_each_stage_and_writes_one_tarball(tmp_path: Path) -> None:
+    import tarfile
+
+    env = dict(os.environ, KIT=str(_fake_kit(tmp_path)), OUT=str(tmp_path / "out"))
+    env["WORK"] = str(tmp_path / "work")
+    done = subprocess.run(
+        ["bash", str(RUN_KIT), "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    (one_batch,) = [ln for ln in lines if "dry run: " in ln and "one_batch" in ln]
+    for flag in ("--load-format dummy", "--attention-backend triton", "llama-8b-shape"):
+        assert flag in one_batch
+    (quick,) = [ln for ln in lines if "dry run: " in ln and "--quick" in ln]
+    assert "semblend_sglang.bench e2e" in quick and "smollm2-135m" in quick
+    assert "--server-arg=--load-format --server-arg=dummy" in quick
+    (big,) = [ln for ln in lines if "dry run: " in ln and "8b-shape --out" in ln]
+    assert r"2048\,8192\,32768" in big and r"cross_instruction\,rag" in big
+    assert r"vanilla\,exact_spans" in big and "--max-total-tokens --server-arg=98304" in big
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["dry_run"] is True
+    assert [s["stage"] for s in summary["stages"]] == [
+        "setup",
+        "0-one-batch",
+        "1-bench-quick",
+        "2-bench-8b",
+    ]
+    with tarfile.open(tmp_path / "out" / "gpu-kit-run.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"logs/summary.json", "logs/0-one-batch.cmd", "logs/2-bench-8b.cmd"} <= names
+
+
+def test_run_kit_refuses_a_work_folder_inside_the_repository(tmp_path: Path) -> None:
+    env = dict(os.environ, KIT=str(_fake_kit(tmp_path)), OUT=str(tmp_path / "out"))
+    env["WORK"] = str(REPO_ROOT / "gpu-kit-work")
+    done = subprocess.run(
+        ["bash", str(RUN_KIT), "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "outside" in done.stderr
+    assert not (REPO_ROOT / "gpu-kit-work").exists()
