@@ -19,7 +19,7 @@
 # --dry-run prints each stage's command and writes the same files without running anything.
 #
 # Settings (environment): KIT (gpu-kit), OUT (./gpu-kit-out), WORK (/tmp/semblend-gpu-kit),
-# PYTHON (python3), STAGES ("0 1 2"), T_SETUP/T0/T1/T2 (seconds: 75/75/135/210, under 8 min
+# PYTHON (python3), STAGES ("0 1 2"; empty: setup only), T_SETUP/T0/T1/T2 (seconds: 75/75/135/210, under 8 min
 # together), SEMBLEND_GPU_JIT (crash: any sglang JIT build raises and names itself; allow: nvcc
 # builds it), SEMBLEND_GPU_STORE_CACHE (torch: K/V written by sglang's torch path; jit).
 set -uo pipefail
@@ -38,7 +38,7 @@ kit="$(cd "$repo" && realpath -m "${KIT:-gpu-kit}")"
 out="$(realpath -m "${OUT:-$repo/gpu-kit-out}")"
 work="$(realpath -m "${WORK:-/tmp/semblend-gpu-kit}")"
 python="${PYTHON:-python3}"
-stages="${STAGES:-0 1 2}"
+stages="${STAGES-0 1 2}"
 t_setup="${T_SETUP:-75}" t0="${T0:-75}" t1="${T1:-135}" t2="${T2:-210}"
 site="$work/site" logs="$work/logs" models="$work/models"
 start_s=$SECONDS
@@ -85,11 +85,12 @@ run_stage() {
     rc=0
   else
     (cd "$work" && timeout --kill-after=15 "$limit" "$@") > "$log" 2>&1 &
-    local pid=$!
+    local pid=$! next=$((SECONDS + 30))
     while kill -0 "$pid" 2>/dev/null; do
-      sleep 5
-      if (((SECONDS - t) % 30 < 5)) && [[ -s "$log" ]]; then
+      sleep 1
+      if ((SECONDS >= next)) && [[ -s "$log" ]]; then
         say "stage $name: ... $(tail -n 1 "$log" | cut -c1-150)"
+        next=$((SECONDS + 30))
       fi
     done
     wait "$pid"
