@@ -500,6 +500,36 @@ def test_model_shapes(build_kit: ModuleType) -> None:
     assert small.head_dim * small.num_attention_heads == small.hidden_size
 
 
+def test_kit_models_load_in_sglang_with_the_shared_tokenizer(
+    build_kit: ModuleType, smollm2_model_dir: Path, tmp_path: Path
+) -> None:
+    """What build_kit writes under models/, with the tokenizer copied in as run_kit.sh does,
+    is a model folder sglang's ModelConfig reads at the intended shape."""
+    import shutil
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    build_kit.write_models(smollm2_model_dir, tmp_path)
+    small = tmp_path / "models" / build_kit.SMALL_MODEL
+    expected = {
+        build_kit.SMALL_MODEL: (576, 30, 9, 3),
+        "smollm2-1.7b-shape": (2048, 24, 32, 32),
+        "llama-8b-shape": (4096, 32, 32, 8),
+    }
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == sorted(expected)
+    for name, (hidden, layers, heads, kv_heads) in expected.items():
+        folder = tmp_path / "models" / name
+        for file in build_kit.TOKENIZER_FILES:
+            if not (folder / file).exists():
+                shutil.copy2(small / file, folder / file)
+        config = ModelConfig(model_path=str(folder), dtype="bfloat16")
+        assert (config.hidden_size, config.num_hidden_layers) == (hidden, layers)
+        assert (config.num_attention_heads, config.get_num_kv_heads(1)) == (heads, kv_heads)
+        assert config.vocab_size == 49152
+    eight_b = json.loads((tmp_path / "models" / "llama-8b-shape" / "config.json").read_text())
+    assert eight_b["max_position_embeddings"] >= 32768 + 1024
+
+
 def test_carry_folder_is_git_ignored() -> None:
     assert "/gpu-kit/" in (REPO_ROOT / ".gitignore").read_text().splitlines()
 
