@@ -98,10 +98,17 @@ def load_plugin() -> None:
     naming the key (SGLang's plugin loader catches ``Exception`` only), so the server does not
     start with a configuration it would ignore. Any other failure is logged and leaves SGLang
     unpatched.
-    On a CPU runtime it first makes torch_native's extend query-only, whatever
-    ``SEMBLEND_ENABLED`` says (``.attention.install_cpu_query_only_extend``; off with
-    ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``).
+    Whatever ``SEMBLEND_ENABLED`` says, it first guards SGLang against prompts that would crash
+    its scheduler (``.request_guard``; off with ``SEMBLEND_REQUEST_GUARD=0``) and, on a CPU
+    runtime, makes torch_native's extend query-only
+    (``.attention.install_cpu_query_only_extend``; off with ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``).
     """
+    try:
+        from .request_guard import install_request_guard
+
+        install_request_guard()
+    except Exception as exc:
+        logger.error("semblend: request guard not installed (%s: %s)", type(exc).__name__, exc)
     try:
         from .attention import install_cpu_query_only_extend
 

@@ -12,14 +12,11 @@ process; the route is added when (and if) SGLang's HTTP server module is importe
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import logging
 import sys
-import threading
-from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
+
+from .after_import import call_after_import
 
 logger = logging.getLogger(__name__)
 
@@ -104,46 +101,9 @@ def _admin_optional(endpoint: Any) -> None:
     auth_level(AuthLevel.ADMIN_OPTIONAL)(endpoint)
 
 
-class _RouteOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finder for SGLang's HTTP server module that adds the route right after it executes."""
-
-    def __init__(self) -> None:
-        self._inner: importlib.abc.Loader | None = None
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> Any:
-        if fullname != _HTTP_MODULE:
-            return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        self._inner = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        assert self._inner is not None
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        assert self._inner is not None
-        self._inner.exec_module(module)
-        install_snapshot_route()
-
-
-_finder_lock = threading.Lock()
-
-
 def install_snapshot_route_on_import() -> None:
     """Add the route now if SGLang's HTTP server module is loaded, else as soon as it is imported.
 
     Idempotent; imports nothing itself. Called by the plugin in every sglang process.
     """
-    if _HTTP_MODULE in sys.modules:
-        install_snapshot_route()
-        return
-    with _finder_lock:
-        if not any(isinstance(f, _RouteOnImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _RouteOnImport())
+    call_after_import(_HTTP_MODULE, lambda _module: install_snapshot_route())

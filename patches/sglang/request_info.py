@@ -72,19 +72,40 @@ def eligible(req: Any) -> bool:
     )
 
 
+def _reuse_value(value: Any) -> bool | None:
+    """True for ``true``/``"on"``, False for ``false``/``"off"``, None for any other value."""
+    if any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_ON):
+        return True
+    if any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_OFF):
+        return False
+    return None
+
+
+def reuse_value_error(custom_params: Any) -> str | None:
+    """Why ``custom_params`` carries a malformed :data:`REUSE_PARAM`, or None (key absent, or
+    one of true, false, "on", "off"). The request guard answers a malformed one with 400."""
+    if not isinstance(custom_params, dict) or REUSE_PARAM not in custom_params:
+        return None
+    value = custom_params[REUSE_PARAM]
+    if _reuse_value(value) is not None:
+        return None
+    return (
+        f'custom_params {REUSE_PARAM} must be true, false, "on" or "off"; got {repr(value)[:80]}.'
+    )
+
+
 def opted_out(req: Any) -> bool:
     """True when ``req`` asked for no semantic reuse (:data:`REUSE_PARAM` is ``false`` or
-    ``"off"``). Any other value than those and ``true``/``"on"`` also opts out (a client that
-    sets the key meant something) and is logged once per value. An opted-out request is never
-    planned; it still donates (its KV is a cold prefill's). Never raises."""
+    ``"off"``). Any other value than those and ``true``/``"on"`` (which the request guard
+    refuses with 400 where it runs) also opts out (a client that sets the key meant something)
+    and is logged once per value. An opted-out request is never planned; it still donates (its
+    KV is a cold prefill's). Never raises."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     if not isinstance(params, dict) or REUSE_PARAM not in params:
         return False
-    value = params[REUSE_PARAM]
-    if any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_ON):
-        return False
-    if not any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_OFF):
-        shown = repr(value)[:80]
+    value = _reuse_value(params[REUSE_PARAM])
+    if value is None:
+        shown = repr(params[REUSE_PARAM])[:80]
         if shown not in _warned_values:
             _warned_values.add(shown)
             logger.warning(
@@ -93,4 +114,5 @@ def opted_out(req: Any) -> bool:
                 REUSE_PARAM,
                 shown,
             )
-    return True
+        return True
+    return not value

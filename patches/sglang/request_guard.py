@@ -1,0 +1,175 @@
+"""Refuse prompts that would crash SGLang's scheduler, with a reason, before they are computed.
+
+SGLang 0.5.23 checks a prompt's length but not its tokens: a text that tokenizes to nothing
+(``{"text": ""}``) reaches the model as a 0-token forward and a token id outside the
+vocabulary (negative, or >= the embedding's rows) reaches the embedding lookup; either raises
+in the scheduler, which then takes the whole server down (docs/sglang.md, "Bad input"). The
+guard checks the prompt at two seams, with one rule (:func:`prompt_error`):
+
+- the tokenizer manager's ``_validate_one_request`` (HTTP server process, right after
+  tokenization): a bad prompt raises ``ValueError``, which SGLang answers with 400 and the
+  message, before anything reaches the scheduler; a malformed ``semblend_reuse`` value is
+  refused here too (:func:`.request_info.reuse_value_error`);
+- the scheduler's ``validate_input_length`` (every request the scheduler receives, also those
+  that bypass the tokenizer manager, such as SMG's gRPC mode): a bad prompt becomes SGLang's
+  own abort with the message (400), as a prompt over the length limit does.
+
+The plugin installs it in every sglang process whatever ``SEMBLEND_ENABLED`` says (the crash
+is SGLang's, not reuse's); ``SEMBLEND_REQUEST_GUARD=0`` leaves SGLang's own checks alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from semblend_sglang.config_fields import parse_flag
+
+from .after_import import call_after_import
+from .request_info import reuse_value_error
+
+logger = logging.getLogger(__name__)
+
+REQUEST_GUARD_ENV = "SEMBLEND_REQUEST_GUARD"
+"""Environment switch of the guard: on unless 0/false/no/off."""
+
+TOKENIZER_MANAGER_MODULE = "sglang.srt.managers.tokenizer_manager"
+"""Module of SGLang's ``TokenizerManager`` (the HTTP server's process, and in-process engines)."""
+
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+"""Module of SGLang's ``Scheduler``; it calls ``validate_input_length`` by this module's name."""
+
+_registered: set[str] = set()
+"""Seams whose install hook is registered (run now or at their module's import)."""
+
+_restore: dict[str, Callable[[], None]] = {}
+"""How to put back each seam the guard wrapped, by seam name."""
+
+
+def prompt_error(input_ids: Sequence[int] | None, vocab_size: int | None) -> str | None:
+    """Why a model must not compute the prompt ``input_ids``, or None when it may.
+
+    A prompt needs at least one token, and every id in ``[0, vocab_size)`` (not checked when
+    ``vocab_size`` is None). ``None`` ids (input embeddings instead) are not checked. Pure; both
+    seams call it.
+    """
+    if input_ids is None:
+        return None
+    if len(input_ids) == 0:
+        return (
+            "The prompt has no tokens (the text is empty or tokenizes to nothing); "
+            "send at least one token."
+        )
+    if vocab_size is None:
+        return None
+    low, high = min(input_ids), max(input_ids)
+    if low >= 0 and high < vocab_size:
+        return None
+    position, token = next((i, t) for i, t in enumerate(input_ids) if not 0 <= t < vocab_size)
+    return (
+        f"Token id {token} at position {position} is outside the model's vocabulary "
+        f"(ids 0 to {vocab_size - 1})."
+    )
+
+
+def _request_error(obj: Any, input_ids: Sequence[int] | None, vocab_size: int | None) -> str | None:
+    """:func:`prompt_error` for one tokenized request object of the tokenizer manager, skipping
+    what SGLang fills in later (multimodal placeholders, input embeddings, a session's history),
+    then the ``semblend_reuse`` value."""
+    multimodal = getattr(obj, "contains_mm_input", None)
+    if getattr(obj, "input_embeds", None) is None and not (callable(multimodal) and multimodal()):
+        session = getattr(obj, "session_params", None)
+        in_session = isinstance(session, dict) and bool(session.get("id"))
+        if not (in_session and input_ids is not None and len(input_ids) == 0):
+            error = prompt_error(input_ids, vocab_size)
+            if error is not None:
+                return error
+    sampling = getattr(obj, "sampling_params", None)
+    custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    return reuse_value_error(custom)
+
+
+def _guard_tokenizer_manager(module: ModuleType) -> None:
+    """Wrap ``TokenizerManager._validate_one_request``: a bad request raises ValueError (400)."""
+    owner = module.TokenizerManager
+    original = owner._validate_one_request
+
+    def _validate_one_request(self: Any, obj: Any, input_ids: Any) -> None:
+        vocab_size = getattr(getattr(self, "model_config", None), "vocab_size", None)
+        error = _request_error(obj, input_ids, vocab_size)
+        if error is not None:
+            raise ValueError(error)
+        original(self, obj, input_ids)
+
+    _validate_one_request.__wrapped__ = original  # type: ignore[attr-defined]
+    _validate_one_request.__doc__ = original.__doc__
+    owner._validate_one_request = _validate_one_request
+    _restore["tokenizer_manager"] = lambda: setattr(owner, "_validate_one_request", original)
+
+
+def _guard_scheduler(module: ModuleType) -> None:
+    """Wrap the scheduler's ``validate_input_length``: a bad prompt becomes SGLang's abort."""
+    original = module.validate_input_length
+
+    def validate_input_length(req: Any, *args: Any, **kwargs: Any) -> str | None:
+        plain = (
+            getattr(req, "multimodal_inputs", None) is None
+            and getattr(req, "input_embeds", None) is None
+        )
+        if plain:
+            error = prompt_error(req.origin_input_ids, getattr(req, "vocab_size", None))
+            if error is not None:
+                return error
+        result: str | None = original(req, *args, **kwargs)
+        return result
+
+    validate_input_length.__wrapped__ = original  # type: ignore[attr-defined]
+    validate_input_length.__doc__ = original.__doc__
+    module.validate_input_length = validate_input_length
+    _restore["scheduler"] = lambda: setattr(module, "validate_input_length", original)
+
+
+def _guarded(install: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
+    """``install`` that logs and leaves SGLang unchanged instead of raising (it runs inside
+    the import of an SGLang module)."""
+
+    def hook(module: ModuleType) -> None:
+        try:
+            install(module)
+        except Exception as exc:
+            logger.error(
+                "semblend: request guard not installed in %s (%s: %s)",
+                module.__name__,
+                type(exc).__name__,
+                exc,
+            )
+
+    return hook
+
+
+def install_request_guard(environ: Mapping[str, str] | None = None) -> bool:
+    """Plugin hook: guard the tokenizer manager and the scheduler of this process, now or when
+    their modules are imported. Idempotent; returns False when ``SEMBLEND_REQUEST_GUARD`` turns
+    it off. Never raises (a failure is logged once and leaves SGLang unchanged)."""
+    env = os.environ if environ is None else environ
+    if parse_flag(env.get(REQUEST_GUARD_ENV)) is False:
+        return False
+    for seam, module, install in (
+        ("tokenizer_manager", TOKENIZER_MANAGER_MODULE, _guard_tokenizer_manager),
+        ("scheduler", SCHEDULER_MODULE, _guard_scheduler),
+    ):
+        if seam not in _registered:
+            _registered.add(seam)
+            call_after_import(module, _guarded(install))
+    return True
+
+
+def remove_request_guard() -> None:
+    """Put back every seam the guard wrapped in this process (tests; idempotent). A seam whose
+    module is not imported yet is guarded when it is, unless removed again after."""
+    for seam in list(_restore):
+        _restore.pop(seam)()
+        _registered.discard(seam)
