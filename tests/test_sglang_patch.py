@@ -91,7 +91,9 @@ def test_randomized_multi_donor_traffic_with_retraction_keeps_every_invariant(
         HarnessConfig(pool_tokens=6144, chunked_prefill_size=256, max_running_requests=8),
         model_config,
     )
-    counts = drive_random(harness, passages, instructions, 500, seed=11, retract=True)
+    counts = drive_random(
+        harness, passages, instructions, 500, seed=11, retract=True, flow=multi_span_adapter.flow
+    )
     snap = multi_span_adapter.runtime.snapshot()
     print(f"multi-span run: {harness.stats} {counts} {snap['outcomes']} {snap['declined']}")
     assert snap["outcomes"]["materialized"] >= 15, snap
@@ -99,6 +101,7 @@ def test_randomized_multi_donor_traffic_with_retraction_keeps_every_invariant(
     held = snap["held_donors"]
     assert held["kept"] >= 5, held
     assert counts["retracted"] >= 3 and counts["aborted"] >= 3, counts
+    assert counts["aborted_with_plan"] >= 1, counts  # aborts mid-plan, not only of cold requests
     assert Reason.UNREPORTED not in snap["declined"], snap  # every plan's outcome was recorded
     assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
     assert not multi_span_adapter.flow.requests, "request state leaked past release"

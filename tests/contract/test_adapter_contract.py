@@ -31,6 +31,7 @@ from semblend_sglang.plan import Reason
 from tests.harness.driver import CacheHarness, HarnessConfig
 from tests.harness.invariants import assert_drained, check_invariants
 from tests.harness.reuse import (
+    assert_next_hit_reuses,
     check_loaded_kv,
     installed,
     materialized,
@@ -133,7 +134,7 @@ def test_randomized_semantic_traffic_keeps_every_invariant(
         HarnessConfig(pool_tokens=6144, chunked_prefill_size=256, max_running_requests=8),
         model_config,
     )
-    counts = drive_random(harness, passages, instructions, 520, seed=7)
+    counts = drive_random(harness, passages, instructions, 520, seed=7, flow=adapter.flow)
     snap = adapter.runtime.snapshot()
     print(f"{PART.name} semantic run: {harness.stats} {counts} {snap['outcomes']}")
     print(f"declined: {snap['declined']}")
@@ -147,7 +148,9 @@ def test_randomized_semantic_traffic_keeps_every_invariant(
     assert snap["outcomes"]["cold_fallback"] == 0, snap
     assert snap["errors"] == {}, snap
     assert counts["aborted"] >= 3 and counts["chunked"] >= 5, counts
+    assert counts["aborted_with_plan"] >= 1, counts  # aborts mid-plan, not only of cold requests
     assert harness.stats["evicted_steps"] >= 10, harness.stats
+    assert snap["declined"].get(Reason.DONOR_EVICTED, 0) >= 1, snap  # between lookup and copy
     assert not adapter.flow.requests, "request state leaked past release"
     assert_drained(harness)
 
@@ -212,6 +215,42 @@ def test_request_aborted_while_waiting_after_its_lookup_leaves_no_state(
     h.run_until_idle()
     check_invariants(h, full_kv=True)
     assert_drained(h)
+    assert_next_hit_reuses(h, adapter.flow, passages, instructions)
+
+
+def test_request_aborted_between_its_chunks_after_a_copy_leaves_no_state(
+    adapter: Any,
+    model_config: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+) -> None:
+    """A two-span hit whose computed gap (four instructions between the passages) spans several
+    16-token prefill chunks is aborted (a client gone) after a chunk copied its first span's
+    donor KV: its donors were pinned for that copy only, its plan ends, its slots go back and
+    nothing stays locked; the next hit on the same document reuses normally."""
+    from semblend_sglang.patches.sglang.request_reuse import ReuseState
+
+    h = PART.harness_cls(HarnessConfig(pool_tokens=4096, chunked_prefill_size=16), model_config)
+    doc = document(passages, 2, 8)
+    h.submit(instructions[0] + doc)
+    h.run_until_idle()
+    half = len(document(passages, 2, 4))
+    gap = [t for i in (1, 2, 3, 4) for t in instructions[i]]
+    target = h.submit(instructions[5] + doc[:half] + gap + doc[half:], max_new_tokens=2)
+
+    def loading_and_chunked() -> bool:
+        state = adapter.flow.requests.get(target.rid)
+        return state is not None and state.state is ReuseState.LOADING and h.chunked_req is target
+
+    step_until(h, loading_and_chunked)
+    h.abort(target)
+    h.run_until_idle()
+    assert target.finished() and target.rid not in adapter.flow.requests
+    snap = adapter.runtime.snapshot()
+    assert snap["outcomes"]["cold_fallback"] == 0 and snap["errors"] == {}, snap
+    check_invariants(h, full_kv=True)
+    assert_drained(h)
+    assert_next_hit_reuses(h, adapter.flow, passages, instructions)
 
 
 def test_provider_error_falls_back_cold(
@@ -257,7 +296,9 @@ def test_kernel_error_falls_back_cold_without_leaking_slots(
     assert snap["outcomes"]["cold_fallback"] == 1, snap
     assert snap["errors"] == {"load": 1}, snap
     check_invariants(h, full_kv=True)
-    assert_drained(h)
+    assert_drained(h)  # the donors pinned for the failed copy were unlocked
+    monkeypatch.undo()
+    assert_next_hit_reuses(h, adapter.flow, passages, instructions)
 
 
 def test_donor_evicted_between_lookup_and_copy_is_declined(
@@ -289,6 +330,7 @@ def test_donor_evicted_between_lookup_and_copy_is_declined(
     assert len(runtime.provider.index) == 1  # the evicted donor was forgotten; target registered
     check_invariants(h, full_kv=True)
     assert_drained(h)
+    assert_next_hit_reuses(h, adapter.flow, passages, instructions)  # from the target, now
 
 
 def test_passages_from_two_donors_and_one_evicted_before_the_copy(

@@ -2,7 +2,8 @@
 
 `installed` installs the hooks for a test; `check_loaded_kv` compares every piece a request
 reused with its donor's KV (K rotated by the piece's shift with the torch reference, V copied);
-`materialized` and `step_until` step a harness until a request's reuse happened.
+`materialized` and `step_until` step a harness until a request's reuse happened;
+`assert_next_hit_reuses` is what a test checks after a fault: the next request reuses normally.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from semblend_sglang.kernels import rotate_k
 from semblend_sglang.patches.sglang.held_donors import held_of
 from semblend_sglang.patches.sglang.request_reuse import ReuseState
 from tests.harness.driver import CacheHarness
-from tests.harness.invariants import check_invariants
+from tests.harness.invariants import assert_drained, check_invariants
+from tests.harness.traffic import document
 
 
 def installed(config: Config, adapter_cls: type[Any] | None = None) -> Iterator[Any]:
@@ -83,3 +85,24 @@ def check_loaded_kv(h: CacheHarness, flow: Any, req: Any) -> int:
         h.mark_dirty(dst)
         checked += span.length
     return checked
+
+
+def assert_next_hit_reuses(
+    h: CacheHarness,
+    flow: Any,
+    passages: list[list[list[int]]],
+    instructions: list[list[int]],
+    essay: int = 2,
+) -> None:
+    """After a fault: a new request (instruction 3 before essay ``essay``'s 8-passage document,
+    the document of :func:`tests.harness.traffic.semantic_pair`) reuses a resident donor's KV
+    (checked against the torch reference) and completes; then every invariant holds, nothing
+    is locked or left in ``flow``."""
+    target = h.submit(instructions[3] + document(passages, essay, 8), max_new_tokens=2)
+    step_until(h, lambda: materialized(flow, target.rid))
+    assert check_loaded_kv(h, flow, target) > 0
+    h.run_until_idle()
+    assert target.finished()
+    check_invariants(h, full_kv=True)
+    assert_drained(h)
+    assert not flow.requests, "request state left after the next hit"

@@ -98,13 +98,30 @@ def drive_random(
     seed: int,
     *,
     retract: bool = False,
+    flow: Any = None,
 ) -> dict[str, int]:
     """Submit, step and abort at random (and, with ``retract``, retract running requests as
     sglang's TEST_RETRACT does: a harness with ``retract_decode``); check invariants after every
-    step, abort and retraction; drain and return the counts of what happened."""
+    step, abort and retraction; drain and return the counts of what happened. With ``flow``
+    (the adapter's RequestFlow), ``aborted_with_plan`` counts the aborts of requests that held
+    reuse state then (planned, or with donor KV copied)."""
     rng = random.Random(seed)
     history: list[list[int]] = []
-    counts = {"aborted": 0, "chunked": 0, "steps": 0, "decode_steps": 0, "retracted": 0}
+    counts = {
+        "aborted": 0,
+        "aborted_with_plan": 0,
+        "chunked": 0,
+        "steps": 0,
+        "decode_steps": 0,
+        "retracted": 0,
+    }
+
+    def abort(req: Any) -> None:
+        if flow is not None and req.rid in flow.requests:
+            counts["aborted_with_plan"] += 1
+        harness.abort(req)
+        counts["aborted"] += 1
+
     submitted: list[Any] = []
     seen_chunked: set[str] = set()
 
@@ -131,14 +148,11 @@ def drive_random(
             step()
         roll = rng.random()
         if roll < 0.03 and harness.waiting_queue:
-            harness.abort(rng.choice(harness.waiting_queue))
-            counts["aborted"] += 1
+            abort(rng.choice(harness.waiting_queue))
         elif roll < 0.06 and harness.chunked_req is not None:
-            harness.abort(harness.chunked_req)
-            counts["aborted"] += 1
+            abort(harness.chunked_req)
         elif roll < 0.09 and not harness.running_batch.is_empty():
-            harness.abort(rng.choice(harness.running_batch.reqs))
-            counts["aborted"] += 1
+            abort(rng.choice(harness.running_batch.reqs))
         elif retract and roll < 0.15 and len(harness.running_batch.reqs) > 1:
             counts["retracted"] += len(harness.retract_decode())
         check_invariants(harness)
