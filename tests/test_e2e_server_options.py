@@ -112,6 +112,11 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
         rank = _rank(srv.url, ADMIN_KEY)
         assert rank["lookups"] == 0 and rank["donors"] == 0, rank
         assert rank["unsupported_options"][0].startswith("--disable-radix-cache"), rank
+        assert rank["reuse_off"] == rank["unsupported_options"], rank
+        request = urllib.request.Request(srv.url + "/semblend/snapshot")
+        request.add_header("Authorization", f"Bearer {ADMIN_KEY}")
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            assert json.loads(resp.read().decode())["reuse_off"] == rank["reuse_off"]
         text = log.read_text(errors="replace")
         assert text.count("unsupported server options: --disable-radix-cache") == 1
         _healthy_after_idle(srv)

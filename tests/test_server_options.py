@@ -102,6 +102,7 @@ def test_a_refused_runtime_looks_nothing_up_and_registers_no_donor(
     snap = runtime.snapshot()
     assert snap["lookups"] == 0 and len(runtime.provider.index) == 0, snap
     assert snap["unsupported_options"] == ["--disable-radix-cache: no exact cache holds donor KV"]
+    assert snap["reuse_off"] == snap["unsupported_options"]
     check_invariants(h, full_kv=True)
 
 
@@ -166,3 +167,81 @@ def test_a_model_whose_layers_differ_in_rope_is_refused_at_start_up(
     model_config = _model_config(smollm2_model_dir, {"no_rope_layers": [1] * 29 + [0]})
     found = unsupported_options(_server_args(smollm2_model_dir), model_config)
     assert len(found) == 1 and found[0].startswith("RoPE of the served model: no_rope_layers")
+
+
+def test_an_attention_backend_that_declines_every_plan_is_named_at_start_up(
+    smollm2_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server whose prefill backend cannot run a sparse extend (fa4 here: what SGLang's
+    runtime context publishes for ``--attention-backend fa4``) says so once at scheduler
+    start-up, and the snapshot's ``reuse_off`` names it; requests are still looked up and
+    declined as ``unsupported_cache``."""
+    import sglang.srt.runtime_context as runtime_context
+
+    from semblend_sglang.patches.sglang import attention
+    from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
+    from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
+
+    monkeypatch.setattr(runtime_context, "attention_backends", lambda: ("fa4", "fa4"))
+    monkeypatch.setattr(attention, "_unsupported_logged", False)
+    flow = UnifiedRadixCacheAdapter(Config()).flow
+    model_config = _model_config(smollm2_model_dir, {})
+
+    class FakeSchedulerBuiltElsewhere:  # the real Scheduler needs a model process to build
+        def __init__(self) -> None:
+            self.server_args = _server_args(smollm2_model_dir)
+            self.model_config = model_config
+
+    init = wrap_scheduler_init(FakeSchedulerBuiltElsewhere.__init__, flow)
+    with caplog.at_level(logging.WARNING):
+        init(FakeSchedulerBuiltElsewhere.__new__(FakeSchedulerBuiltElsewhere))
+        assert not attention.attention_supported()  # a plan's check: no second line
+    (off,) = flow.runtime.snapshot()["reuse_off"]
+    assert "fa4" in off, off
+    assert flow.runtime.active
+    assert len([r for r in caplog.records if "fa4" in r.getMessage()]) == 1
+
+
+def test_an_unsupported_rope_in_the_engines_config_is_named_in_reuse_off() -> None:
+    from transformers import LlamaConfig
+
+    from semblend_sglang.patches.sglang.runtime import SemblendRuntime
+
+    runtime = SemblendRuntime(Config())
+    config = LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    runtime.use_model_config(config)
+    (off,) = runtime.snapshot()["reuse_off"]
+    assert off.startswith("the model's RoPE: ") and "dynamic" in off, off
+
+
+def test_an_unserved_sglang_version_is_named_by_the_snapshot_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Installed on an sglang no adapter serves (0.5.19 here), the plugin patches nothing, logs
+    why once, and ``GET /semblend/snapshot`` on SGLang's real HTTP app answers with that
+    reason in ``reuse_off`` instead of asking the schedulers."""
+    from packaging.version import Version
+    from sglang.srt.entrypoints import http_server
+    from starlette.testclient import TestClient
+
+    import semblend_sglang.patches.sglang as plugin
+    from semblend_sglang.patches.sglang.http_routes import SNAPSHOT_PATH
+
+    monkeypatch.setenv("SEMBLEND_ENABLED", "1")
+    monkeypatch.setenv("SEMBLEND_CPU_QUERY_ONLY_EXTEND", "0")
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: Version("0.5.19"))
+    unpatch_radix_cache()
+    routes = list(http_server.app.router.routes)
+    http_server.app.router.routes[:] = [
+        r for r in routes if getattr(r, "path", None) != SNAPSHOT_PATH
+    ]
+    try:
+        plugin.load_plugin()
+        assert plugin.installed_adapter() is None
+        answer = TestClient(http_server.app).get(SNAPSHOT_PATH)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        (off,) = body["reuse_off"]
+        assert "sglang 0.5.19 is not supported" in off and body["ranks"] == [], body
+    finally:
+        http_server.app.router.routes[:] = routes

@@ -47,6 +47,15 @@ def supported_versions() -> str:
     return "; ".join(f"{cls.supported} ({cls.name})" for cls in _adapters())
 
 
+def unserved_version_reason(version: Version | None) -> str:
+    """Why no adapter serves sglang ``version`` (a start-up warning and the snapshot's
+    ``reuse_off`` say this)."""
+    return (
+        f"sglang {version} is not supported by this version of semblend-sglang "
+        f"(supported: {supported_versions()}); SGLang is left unpatched"
+    )
+
+
 def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
     """Install semblend's hooks into the installed sglang; idempotent.
 
@@ -61,12 +70,7 @@ def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
         version = installed_sglang_version()
         adapter_cls = adapter_class_for(version)
         if adapter_cls is None:
-            logger.warning(
-                "semblend: sglang %s is not supported by this version of semblend-sglang "
-                "(supported: %s); SGLang is left unpatched",
-                version,
-                supported_versions(),
-            )
+            logger.warning("semblend: %s", unserved_version_reason(version))
             return None
         adapter = adapter_cls(config or Config.from_env())  # type: ignore[call-arg]
         adapter.apply()
@@ -125,10 +129,12 @@ def load_plugin() -> None:
         logger.error("semblend: bad configuration: %s", exc)
         raise SystemExit(f"semblend: bad configuration: {exc}") from exc
     try:
-        if patch_radix_cache(config) is not None:
-            from .http_routes import install_snapshot_route_on_import
+        from .http_routes import install_snapshot_route_on_import
 
+        if patch_radix_cache(config) is not None:
             install_snapshot_route_on_import()
+        else:  # no adapter for this sglang: the route says why
+            install_snapshot_route_on_import(unserved_version_reason(installed_sglang_version()))
     except Exception as exc:
         logger.error("semblend: not installed (%s: %s)", type(exc).__name__, exc)
     _install_dp_dispatch_here()

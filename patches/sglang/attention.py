@@ -526,16 +526,23 @@ def attention_supported() -> bool:
     """False (logged once) when the server's prefill attention backend cannot run a sparse
     extend; True when it can or when no server context exists (the cache alone, as in an
     in-process cache harness)."""
+    return served_attention_refusal() is None
+
+
+def served_attention_refusal() -> str | None:
+    """Why the server's prefill attention backend cannot run a sparse extend (logged once per
+    process), or None when it can or when no server context exists. The scheduler's start-up
+    hook calls it so the reason is known before the first request."""
     global _unsupported_logged
     try:
         from sglang.srt.runtime_context import attention_backends
 
         prefill, _ = attention_backends()
     except Exception:
-        return True
+        return None
     reason = None if prefill is None else backend_reuse_reason(str(prefill), 1)
     if reason is None:
-        return True
+        return None
     if not _unsupported_logged:
         _unsupported_logged = True
         logger.warning(
@@ -544,7 +551,7 @@ def attention_supported() -> bool:
             ", ".join(sorted(_hooked_backends())),
             Reason.UNSUPPORTED_CACHE,
         )
-    return False
+    return reason
 
 
 _unsupported_logged = False

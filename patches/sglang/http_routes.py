@@ -3,8 +3,10 @@
 The counters live in the scheduler processes. The unified adapter adds them to the scheduler's
 internal state (the same path ``GET /server_info`` reads, key ``"semblend"``); this route asks
 every data-parallel scheduler for that state through SGLang's tokenizer manager and returns
-``{"ranks": [snapshot or null, ...], "total": summed counters, "config": the first scheduler's
-resolved settings}``. It works with or without
+``{"ranks": [snapshot or null, ...], "total": summed counters, "reuse_off": every start-up
+reason a scheduler gave why it will not reuse KV, "config": the first scheduler's resolved
+settings}``; where the plugin cannot patch the installed sglang, ``reuse_off`` says so and no
+scheduler is asked. It works with or without
 ``--enable-metrics``. The plugin calls :func:`install_snapshot_route_on_import` in every sglang
 process; the route is added when (and if) SGLang's HTTP server module is imported there, which
 ``sglang.launch_server`` does after running the plugins. Nothing here raises.
@@ -55,11 +57,30 @@ def merge_snapshots(snapshots: list[dict[str, Any] | None]) -> dict[str, Any]:
     return total
 
 
-def install_snapshot_route() -> bool:
+def unserved_snapshot(reason: str) -> dict[str, Any]:
+    """The route's answer where semblend is installed but cannot patch this sglang: no
+    scheduler reports, and ``reuse_off`` says why."""
+    return {"ranks": [], "total": {}, "config": None, "reuse_off": [reason]}
+
+
+def reuse_off_of(ranks: list[dict[str, Any] | None]) -> list[str]:
+    """Every start-up reason any scheduler gave why it will not reuse KV (``reuse_off`` of its
+    snapshot), each once, in rank order."""
+    out: list[str] = []
+    for snap in ranks:
+        for reason in (snap or {}).get("reuse_off", ()):
+            if reason not in out:
+                out.append(reason)
+    return out
+
+
+def install_snapshot_route(unserved: str | None = None) -> bool:
     """Add ``GET /semblend/snapshot`` to SGLang's FastAPI app when this process serves it.
 
-    Returns True when the route is (already) installed, False when this process has no SGLang
-    HTTP server (schedulers, in-process engines) or the app cannot take the route.
+    With ``unserved`` (the plugin could not patch this sglang: why) the route answers
+    :func:`unserved_snapshot` and asks no scheduler. Returns True when the route is (already)
+    installed, False when this process has no SGLang HTTP server (schedulers, in-process
+    engines) or the app cannot take the route.
     """
     module = sys.modules.get(_HTTP_MODULE)
     app = getattr(module, "app", None)
@@ -71,12 +92,15 @@ def install_snapshot_route() -> bool:
 
         async def semblend_snapshot() -> dict[str, Any]:
             """Outcome counters of every scheduler (see patches/sglang/http_routes.py)."""
+            if unserved is not None:
+                return unserved_snapshot(unserved)
             states = await module._global_state.tokenizer_manager.get_internal_state()
             ranks = [state.get(STATE_KEY) for state in states]
             configs = [state.get(CONFIG_KEY) for state in states if state.get(CONFIG_KEY)]
             return {
                 "ranks": ranks,
                 "total": merge_snapshots(ranks),
+                "reuse_off": reuse_off_of(ranks),
                 "config": configs[0] if configs else None,
             }
 
@@ -101,9 +125,10 @@ def _admin_optional(endpoint: Any) -> None:
     auth_level(AuthLevel.ADMIN_OPTIONAL)(endpoint)
 
 
-def install_snapshot_route_on_import() -> None:
-    """Add the route now if SGLang's HTTP server module is loaded, else as soon as it is imported.
+def install_snapshot_route_on_import(unserved: str | None = None) -> None:
+    """Add the route (:func:`install_snapshot_route` with ``unserved``) now if SGLang's HTTP
+    server module is loaded, else as soon as it is imported.
 
     Idempotent; imports nothing itself. Called by the plugin in every sglang process.
     """
-    call_after_import(_HTTP_MODULE, lambda _module: install_snapshot_route())
+    call_after_import(_HTTP_MODULE, lambda _module: install_snapshot_route(unserved))

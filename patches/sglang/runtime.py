@@ -74,6 +74,10 @@ class SemblendRuntime:
         """The :class:`.check_layer.LayerHook` of the served model, when installed."""
         self.refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
+        self.reuse_off: tuple[str, ...] = ()
+        """Every reason known at start-up why no request of this scheduler will reuse KV (the
+        refused options, an attention backend that declines every plan): :meth:`note_reuse_off`;
+        ``reuse_off`` of the snapshot."""
         self.evicted_donors = 0
         """Donors forgotten when SGLang's eviction freed their KV (``evicted_donors`` in
         :meth:`snapshot`)."""
@@ -86,10 +90,17 @@ class SemblendRuntime:
         """The server runs with ``options`` that semantic reuse does not support: log them once
         (one line) and stay out of every request from now on (no lookup, no donor)."""
         self.refused = tuple(options)
+        self.reuse_off += tuple(options)
         logger.warning(
             "semblend: semantic reuse is off in this scheduler; unsupported server options: %s",
             "; ".join(options),
         )
+
+    def note_reuse_off(self, reason: str) -> None:
+        """Record a start-up ``reason`` why no plan of this scheduler can be served (its caller
+        has logged it once); requests are still looked up and declined with their reason."""
+        if reason not in self.reuse_off:
+            self.reuse_off += (reason,)
 
     @property
     def active(self) -> bool:
@@ -97,10 +108,12 @@ class SemblendRuntime:
         return not self.refused
 
     def snapshot(self) -> dict[str, Any]:
-        """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named) and
+        """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named),
+        ``reuse_off`` (every start-up reason reuse cannot happen here, :attr:`reuse_off`) and
         ``sparse_extend_batches`` (batches holding a sparse request, by attention path)."""
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
+        snap["reuse_off"] = list(self.reuse_off)
         snap["held_donors"] = dataclasses.asdict(self.held)
         snap["evicted_donors"] = self.evicted_donors
         snap["recompute_checks"] = self.recompute.checks
@@ -224,6 +237,7 @@ class SemblendRuntime:
                 self._rope_error,
                 Reason.UNSUPPORTED_CACHE,
             )
+            self.note_reuse_off(f"the model's RoPE: {self._rope_error}")
 
     def set_rope_spec(self, spec: RopeSpec) -> None:
         """Use ``spec`` for K rotation (tests and in-process engines that know their model)."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import check_layer
+from .attention import served_attention_refusal
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .request_flow import RequestFlow
 from .server_options import engine_hf_config, unsupported_options
@@ -74,11 +75,12 @@ def wrap_add_request_to_queue(
 def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
     """``Scheduler.__init__`` that, once the scheduler is built, names every server option
     semantic reuse does not support (:func:`.server_options.unsupported_options`) and turns
-    the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`); otherwise the runtime
-    takes the model's RoPE from the engine's resolved config
-    (:meth:`SemblendRuntime.use_model_config`) and wraps the model's layers for a check-layer
-    recompute strategy (:func:`.check_layer.install`). The scheduler's forward stream is handed
-    to the runtime in both cases (the copy waits for it)."""
+    the runtime off for this scheduler (:meth:`SemblendRuntime.refuse`). Otherwise it names an
+    attention backend that will decline every plan (:meth:`SemblendRuntime.note_reuse_off`:
+    the snapshot's ``reuse_off``), the runtime takes the model's RoPE from the engine's resolved
+    config (:meth:`SemblendRuntime.use_model_config`) and the model's layers are wrapped for a
+    check-layer recompute strategy (:func:`.check_layer.install`). The scheduler's forward
+    stream is handed to the runtime in both cases (the copy waits for it)."""
     runtime = flow.runtime
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -95,6 +97,9 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
         if refused:
             runtime.refuse(refused)
             return
+        backend_refusal = flow.guarded("startup", None, None, served_attention_refusal)
+        if backend_refusal is not None:
+            runtime.note_reuse_off(backend_refusal)
         hf_config = engine_hf_config(model_config)
         if hf_config is not None:
             flow.guarded("startup", None, None, runtime.use_model_config, hf_config)
