@@ -90,9 +90,9 @@ UNSERVED_BACKENDS: dict[str, str] = {
 """Why each backend SGLang can resolve to declines, by name (docs/sglang.md's table)."""
 
 
-def backend_reuse_reason(backend: str, page_size: int) -> str | None:
-    """Why a sparse extend cannot run on prefill backend ``backend`` at ``page_size``, or None
-    when it can (every hooked backend serves every page size SGLang allows it). Read by the
+def backend_reuse_reason(backend: str) -> str | None:
+    """Why a sparse extend cannot run on prefill backend ``backend``, or None when it can (every
+    hooked backend serves every page size SGLang allows it). Read by the
     doctor and by :func:`attention_supported`; the per-instance conditions are
     :func:`sparse_extend_supported`'s."""
     entry = _hooked_backends().get(backend)
@@ -540,7 +540,7 @@ def served_attention_refusal() -> str | None:
         prefill, _ = attention_backends()
     except Exception:
         return None
-    reason = None if prefill is None else backend_reuse_reason(str(prefill), 1)
+    reason = None if prefill is None else backend_reuse_reason(str(prefill))
     if reason is None:
         return None
     if not _unsupported_logged:

@@ -5,7 +5,7 @@ The flags are parsed by SGLang's own parser and resolved by its own pipeline
 overrides), on this machine or, with ``assume_gpu``, with SGLang's platform facts overridden
 (``override_platform``) to those of the named GPU. The verdict comes from the checks the server
 runs: :func:`.server_options.unsupported_options` (named at start-up) and
-:func:`.attention.backend_reuse_reason` (the prefill backend and page size). Reads only; starts
+:func:`.attention.backend_reuse_reason` (the prefill backend). Reads only; starts
 nothing.
 """
 
@@ -173,7 +173,7 @@ def diagnose(params: DoctorParams) -> DoctorReport:
         model_config = _model_config(server_args)
     page = int(getattr(resolved, "page_size", None) or 1)
     reasons = list(unsupported_options(resolved, model_config))
-    backend_reason = backend_reuse_reason(str(prefill), page)
+    backend_reason = backend_reuse_reason(str(prefill))
     if backend_reason is not None:
         reasons.append(backend_reason)
     notes = ()

@@ -19,7 +19,8 @@ one-pass sparse extend as the 0.5.21+ adapter (:mod:`.unified`, :mod:`.one_pass`
    positions from the batch's computed tokens. 0.5.15 - 0.5.18 have the same batch fields as
    0.5.23 (``prefill_input_ids_cpu``, ``out_cache_loc``, ``extend_lens``, ...); only a request's
    row (``req.req_pool_idx``), its chunk end (``req.extend_range.end``) and the tree's locks
-   (``inc_lock_ref`` / ``dec_lock_ref`` by node) are named differently (:data:`LEGACY_FIELDS`).
+   (``inc_lock_ref`` / ``dec_lock_ref`` by node) are named differently (the adapter's
+   :class:`~.version_view.VersionView`).
 3. ``ForwardBatch.init_new`` (which takes the ``ScheduleBatch`` itself in these versions too)
    gives the computed tokens their true positions; torch_native's extend masks by position
    (:mod:`.attention`; its backend file is the same in 0.5.15 - 0.5.18 as in 0.5.23).

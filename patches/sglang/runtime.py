@@ -45,10 +45,11 @@ class RecomputeCounts:
 
 
 class SemblendRuntime:
-    """Holds the provider and the per-request reuse state for one scheduler process.
+    """Holds one scheduler process's provider, donor registry, counters and the settings learned
+    at start-up.
 
-    The request flow and the hooks call it; it holds no request's state. :meth:`log_failure`
-    logs an error once per place and exception type.
+    The request flow and the hooks call it; it holds no request's state (the request flow
+    does). :meth:`log_failure` logs an error once per place and exception type.
     """
 
     def __init__(self, config: Config, *, registry: Any = None) -> None:
@@ -238,10 +239,6 @@ class SemblendRuntime:
                 Reason.UNSUPPORTED_CACHE,
             )
             self.note_reuse_off(f"the model's RoPE: {self._rope_error}")
-
-    def set_rope_spec(self, spec: RopeSpec) -> None:
-        """Use ``spec`` for K rotation (tests and in-process engines that know their model)."""
-        self._rope_spec = spec
 
     def rope_spec(self, model_path: str | None) -> RopeSpec | None:
         """RoPE of the served model, read once from its config.json; None (logged once) when
