@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -236,32 +237,39 @@ def serve_cmd(
 
         model_path = str(prepare_model())
     child_env = config_environ(config)
+
+    def _stop(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # Installed explicitly: a shell starts background jobs with SIGINT ignored. Installed before
+    # the server starts: start_server puts the handler of semblend_sglang.process_groups in front
+    # of these, so a signal stops the server first, then raises KeyboardInterrupt here.
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     server = start_server(
         model_path, host=host, port=port, extra_args=list(ctx.args), env=child_env
     )
     state = f"mode={config.mode}" if config.enabled else "disabled"
     click.echo(f"semblend: {state}", err=True)
     click.echo("starting: " + " ".join(server.command), err=True)
-
-    def _stop(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    # Installed explicitly: a shell starts background jobs with SIGINT ignored.
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    asked = False
     try:
         server.wait_healthy()
         click.echo(f"SGLang server ready at {server.url}  (Ctrl-C stops it)")
         sys.stdout.flush()
-        server.process.wait()
+        while server.alive():  # not Popen.wait(), whose lock a signal handler cannot take
+            time.sleep(0.5)
     except ServerError as exc:
         server.stop()
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
         click.echo("stopping SGLang server ...", err=True)
+        asked = True
     finally:
         code = server.stop()
-    sys.exit(0 if code in (0, -signal.SIGINT, 130) else code)
+    # Asked to stop (Ctrl-C, SIGTERM): 0 however the server ended; a launcher still loading
+    # ignores SIGINT and is killed.
+    sys.exit(0 if asked or code in (0, -signal.SIGINT, 130) else code)
 
 
 if __name__ == "__main__":

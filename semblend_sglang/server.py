@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from . import process_groups
 from .cpu_runtime import cuda_available, runtime_environ
 
 CPU_SERVER_FLAGS: tuple[str, ...] = (
@@ -187,18 +188,13 @@ class SglangServer:
 
     def stop(self, grace: float = 20.0) -> int:
         """Stop the server and every process of its group; returns the launcher's exit code.
+        Idempotent: a second call only returns the code.
 
         SIGINT goes to the launcher only (it shuts its scheduler and detokenizer down itself);
-        whatever of the group is left after ``grace`` seconds is killed."""
-        if self.alive():
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=grace)
-        # Children that outlived the launcher (scheduler, detokenizer) share its group.
-        _signal_group(self.process.pid, signal.SIGKILL)
+        the group is killed once the launcher has exited or ``grace`` seconds have passed, so
+        nothing that outlived it (scheduler, detokenizer) is left
+        (:func:`semblend_sglang.process_groups.stop`)."""
+        process_groups.stop([self.process], grace)
         return int(self.process.returncode or 0)
 
     def __enter__(self) -> SglangServer:
@@ -206,13 +202,6 @@ class SglangServer:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def start_server(
@@ -226,7 +215,9 @@ def start_server(
     """Start the real SGLang server (not waiting for health; see :meth:`SglangServer.wait_healthy`).
 
     ``env`` overrides variables on top of :func:`server_environ`. With ``log_path`` the server's
-    stdout and stderr go to that file, else to this process's terminal.
+    stdout and stderr go to that file, else to this process's terminal. The server runs in its
+    own process group, registered with :mod:`semblend_sglang.process_groups`: it is stopped when
+    this process exits or gets SIGTERM or SIGINT, if :meth:`SglangServer.stop` has not run.
     """
     command = build_server_command(model_path, host, port, extra_args)
     full_env = server_environ()
@@ -247,6 +238,7 @@ def start_server(
     finally:
         if out is not None:
             out.close()
+    process_groups.track(process, own_group=True, polite=signal.SIGINT)
     return SglangServer(
         process=process, url=f"http://{host}:{port}", log_path=log_path, command=command
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,8 @@ import click
 import httpx
 
 from ..namespace import Namespace
+from ..process_groups import stop as stop_processes
+from ..process_groups import track
 from ..routing_keys import ROUTED_WORKER_HEADER, DonorRoutingKeys, KeyChoice
 from .workloads import BenchRequest, Workload
 
@@ -85,13 +88,7 @@ class Gateway:
 
     def stop(self, grace: float = 10.0) -> None:
         """Terminate SMG (kill after ``grace`` seconds); idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_processes([self.process], grace)
 
 
 def smg_binary() -> str:
@@ -135,6 +132,8 @@ def start_gateway(
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
+    # Stopped with the bench on SIGTERM, SIGINT or exit, as its SGLang servers are.
+    track(process, own_group=False, polite=signal.SIGTERM)
     gateway = Gateway(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

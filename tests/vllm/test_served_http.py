@@ -34,6 +34,8 @@ from typing import Any
 import pytest
 from served import BLOCK, MAX_TOKENS, Prompts, build_prompts
 
+from semblend_sglang import process_groups
+
 START_TIMEOUT_S = 600.0
 """Longest wait for the server's /health (a loaded 2-core machine can take minutes)."""
 SERVED_NAME = "smollm2"
@@ -153,6 +155,9 @@ def server(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    # The server and the EngineCore it spawned share the session started above: stopped as one
+    # group here, and if pytest gets SIGTERM or SIGINT first (semblend_sglang.process_groups).
+    process_groups.track(proc, own_group=True, polite=signal.SIGTERM)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while _get(f"http://127.0.0.1:{port}/health")[0] != 200:
@@ -161,14 +166,7 @@ def server(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
             time.sleep(2)
         yield Server(f"http://127.0.0.1:{port}", log)
     finally:
-        # The server and the EngineCore it spawned share the session started above.
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        process_groups.stop([proc], grace=60)
 
 
 @pytest.fixture(scope="module")
