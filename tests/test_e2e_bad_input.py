@@ -101,6 +101,11 @@ BAD: tuple[Call, ...] = (
         },
         reason="semblend_reuse",
     ),
+    _gen(
+        "more top logprobs than the vocabulary",
+        {"text": "Hello", "return_logprob": True, "top_logprobs_num": 10**7},
+        reason="top_logprobs_num",
+    ),
     _gen("text of the wrong type", {"text": 5}, reason="valid string"),
     _gen("ids of the wrong type", {"input_ids": ["a", "b"]}, reason="must be int"),
     Call("malformed JSON", "/generate", b'{"text": ', 400, "JSON"),

@@ -17,6 +17,8 @@ from semblend_sglang.patches.sglang.request_guard import (
     install_request_guard,
     prompt_error,
     remove_request_guard,
+    request_error,
+    top_logprobs_error,
 )
 from semblend_sglang.patches.sglang.request_info import REUSE_PARAM, reuse_value_error
 
@@ -50,6 +52,21 @@ def test_prompt_error_names_what_is_wrong(ids: list[int], needle: str) -> None:
 def test_prompt_error_without_a_vocabulary_checks_only_emptiness() -> None:
     assert prompt_error([-1, 10**9], None) is None
     assert prompt_error([], None) is not None
+
+
+def test_top_logprobs_error_refuses_more_than_the_vocabulary_when_logprobs_are_returned() -> None:
+    assert top_logprobs_error(True, VOCAB, VOCAB) is None
+    assert top_logprobs_error(True, 20, VOCAB) is None
+    assert top_logprobs_error(False, 10**7, VOCAB) is None  # not computed without logprobs
+    error = top_logprobs_error(True, VOCAB + 1, VOCAB)
+    assert error is not None and f"top_logprobs_num {VOCAB + 1}" in error
+    assert top_logprobs_error(True, 10**7, None) is None
+
+
+def test_request_error_reports_the_prompt_first() -> None:
+    assert request_error([], VOCAB, True, 10**7) == prompt_error([], VOCAB)
+    assert request_error([1], VOCAB, True, 10**7) == top_logprobs_error(True, 10**7, VOCAB)
+    assert request_error([1], VOCAB, True, 5) is None
 
 
 @pytest.mark.parametrize("value", [True, False, "on", "off"])
@@ -116,6 +133,11 @@ def _manager() -> Any:
             [1, 2],
             REUSE_PARAM,
         ),
+        (
+            {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 10**7},
+            [1, 2],
+            "top_logprobs_num 10000000",
+        ),
     ],
 )
 def test_tokenizer_manager_refuses_a_bad_request_before_sglangs_own_checks(
@@ -161,11 +183,11 @@ def test_without_the_guard_sglang_accepts_an_empty_prompt_and_foreign_ids() -> N
     remove_request_guard()
     assert not hasattr(TokenizerManager._validate_one_request, "__wrapped__")
     assert not hasattr(scheduler_module.validate_input_length, "__wrapped__")
-    for ids in ([], [1, -5, VOCAB + 1]):
-        assert scheduler_module.validate_input_length(_req(ids), 8192, False) is None
+    for req in (_req([]), _req([1, -5, VOCAB + 1]), _req([1], top_logprobs_num=10**7)):
+        assert scheduler_module.validate_input_length(req, 8192, False) is None
 
 
-def _req(ids: list[int]) -> Any:
+def _req(ids: list[int], top_logprobs_num: int = 0) -> Any:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -176,6 +198,8 @@ def _req(ids: list[int]) -> Any:
         origin_input_text="",
         origin_input_ids=array("q", ids),
         sampling_params=params,
+        return_logprob=top_logprobs_num > 0,
+        top_logprobs_num=top_logprobs_num,
         vocab_size=VOCAB,
     )
 
@@ -192,6 +216,14 @@ def test_scheduler_turns_a_bad_prompt_into_sglangs_abort(
 
     error = scheduler_module.validate_input_length(_req(ids), 8192, False)
     assert error is not None and needle in error
+
+
+def test_scheduler_turns_too_many_top_logprobs_into_sglangs_abort(guard: list[Any]) -> None:
+    import sglang.srt.managers.scheduler as scheduler_module
+
+    error = scheduler_module.validate_input_length(_req([1, 2], 10**7), 8192, False)
+    assert error is not None and "top_logprobs_num" in error
+    assert scheduler_module.validate_input_length(_req([1, 2], 20), 8192, False) is None
 
 
 def test_scheduler_keeps_sglangs_own_length_check(guard: list[Any]) -> None:

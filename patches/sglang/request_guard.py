@@ -2,9 +2,10 @@
 
 SGLang 0.5.23 checks a prompt's length but not its tokens: a text that tokenizes to nothing
 (``{"text": ""}``) reaches the model as a 0-token forward and a token id outside the
-vocabulary (negative, or >= the embedding's rows) reaches the embedding lookup; either raises
+vocabulary (negative, or >= the embedding's rows) reaches the embedding lookup; a
+``top_logprobs_num`` larger than the vocabulary reaches ``topk`` over the logits. Each raises
 in the scheduler, which then takes the whole server down (docs/sglang.md, "Bad input"). The
-guard checks the prompt at two seams, with one rule (:func:`prompt_error`):
+guard checks a request at two seams, with one rule (:func:`request_error`):
 
 - the tokenizer manager's ``_validate_one_request`` (HTTP server process, right after
   tokenization): a bad prompt raises ``ValueError``, which SGLang answers with 400 and the
@@ -75,18 +76,55 @@ def prompt_error(input_ids: Sequence[int] | None, vocab_size: int | None) -> str
     )
 
 
+def top_logprobs_error(
+    return_logprob: Any, top_logprobs_num: Any, vocab_size: int | None
+) -> str | None:
+    """Why a request's ``top_logprobs_num`` cannot be served (more than the vocabulary: SGLang
+    would take ``topk`` of more columns than the logits have), or None. Checked only when the
+    request returns log-probabilities. Pure."""
+    if not return_logprob or vocab_size is None or not isinstance(top_logprobs_num, int):
+        return None
+    if top_logprobs_num <= vocab_size:
+        return None
+    return (
+        f"top_logprobs_num {top_logprobs_num} is more than the model's vocabulary "
+        f"({vocab_size} tokens)."
+    )
+
+
+def request_error(
+    input_ids: Sequence[int] | None,
+    vocab_size: int | None,
+    return_logprob: Any = False,
+    top_logprobs_num: Any = 0,
+) -> str | None:
+    """The first of :func:`prompt_error` and :func:`top_logprobs_error`: why SGLang must not
+    compute this request, or None. Both seams call it."""
+    return prompt_error(input_ids, vocab_size) or top_logprobs_error(
+        return_logprob, top_logprobs_num, vocab_size
+    )
+
+
 def _request_error(obj: Any, input_ids: Sequence[int] | None, vocab_size: int | None) -> str | None:
-    """:func:`prompt_error` for one tokenized request object of the tokenizer manager, skipping
-    what SGLang fills in later (multimodal placeholders, input embeddings, a session's history),
-    then the ``semblend_reuse`` value."""
+    """:func:`request_error` for one tokenized request object of the tokenizer manager,
+    skipping the prompt check where SGLang fills the prompt in later (multimodal placeholders,
+    input embeddings, a session's history), then the ``semblend_reuse`` value."""
     multimodal = getattr(obj, "contains_mm_input", None)
-    if getattr(obj, "input_embeds", None) is None and not (callable(multimodal) and multimodal()):
-        session = getattr(obj, "session_params", None)
-        in_session = isinstance(session, dict) and bool(session.get("id"))
-        if not (in_session and input_ids is not None and len(input_ids) == 0):
-            error = prompt_error(input_ids, vocab_size)
-            if error is not None:
-                return error
+    checked_ids: Sequence[int] | None = input_ids
+    session = getattr(obj, "session_params", None)
+    in_session = isinstance(session, dict) and bool(session.get("id"))
+    if getattr(obj, "input_embeds", None) is not None or (callable(multimodal) and multimodal()):
+        checked_ids = None
+    elif in_session and input_ids is not None and len(input_ids) == 0:
+        checked_ids = None
+    error = request_error(
+        checked_ids,
+        vocab_size,
+        getattr(obj, "return_logprob", False),
+        getattr(obj, "top_logprobs_num", 0),
+    )
+    if error is not None:
+        return error
     sampling = getattr(obj, "sampling_params", None)
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
     return reuse_value_error(custom)
@@ -111,7 +149,7 @@ def _guard_tokenizer_manager(module: ModuleType) -> None:
 
 
 def _guard_scheduler(module: ModuleType) -> None:
-    """Wrap the scheduler's ``validate_input_length``: a bad prompt becomes SGLang's abort."""
+    """Wrap the scheduler's ``validate_input_length``: a bad request becomes SGLang's abort."""
     original = module.validate_input_length
 
     def validate_input_length(req: Any, *args: Any, **kwargs: Any) -> str | None:
@@ -119,10 +157,14 @@ def _guard_scheduler(module: ModuleType) -> None:
             getattr(req, "multimodal_inputs", None) is None
             and getattr(req, "input_embeds", None) is None
         )
-        if plain:
-            error = prompt_error(req.origin_input_ids, getattr(req, "vocab_size", None))
-            if error is not None:
-                return error
+        error = request_error(
+            req.origin_input_ids if plain else None,
+            getattr(req, "vocab_size", None),
+            getattr(req, "return_logprob", False),
+            _top_logprobs_num(req),
+        )
+        if error is not None:
+            return error
         result: str | None = original(req, *args, **kwargs)
         return result
 
@@ -130,6 +172,15 @@ def _guard_scheduler(module: ModuleType) -> None:
     validate_input_length.__doc__ = original.__doc__
     module.validate_input_length = validate_input_length
     _restore["scheduler"] = lambda: setattr(module, "validate_input_length", original)
+
+
+def _top_logprobs_num(req: Any) -> Any:
+    """A scheduler ``Req``'s ``top_logprobs_num`` (0.5.23 keeps it in ``req.logprob``, earlier
+    versions on the request)."""
+    logprob = getattr(req, "logprob", None)
+    if logprob is not None and hasattr(logprob, "top_logprobs_num"):
+        return logprob.top_logprobs_num
+    return getattr(req, "top_logprobs_num", 0)
 
 
 def _guarded(install: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
