@@ -20,7 +20,8 @@ from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
         ("0.5.18", LegacyRadixCacheAdapter),
         ("0.5.19", None),
         ("0.5.20", None),
-        ("0.5.21", UnifiedRadixCacheAdapter),
+        ("0.5.21", None),  # no checkpoint(): docs/sglang.md, "Version matrix"
+        ("0.5.22", UnifiedRadixCacheAdapter),
         ("0.5.23", UnifiedRadixCacheAdapter),
         ("0.5.24.dev1", UnifiedRadixCacheAdapter),
         ("0.6.0", None),

@@ -1,4 +1,4 @@
-"""Adapter for sglang >= 0.5.21: hooks on ``UnifiedRadixCache``, ``ScheduleBatch`` and
+"""Adapter for sglang >= 0.5.22: hooks on ``UnifiedRadixCache``, ``ScheduleBatch`` and
 ``ForwardBatch``.
 
 exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- donor_i:
@@ -58,12 +58,16 @@ logger = logging.getLogger(__name__)
 
 
 class UnifiedRadixCacheAdapter(SglangAdapter):
-    """Hooks for sglang 0.5.21+ (``UnifiedRadixCache``; Rust or Python tree core): a table of
+    """Hooks for sglang 0.5.22+ (``UnifiedRadixCache``; Rust or Python tree core): a table of
     wrappers that call :class:`~.request_flow.RequestFlow`, and this version's
     :class:`~.version_view.VersionView` (donor match through the tree and the held donors)."""
 
     name = "unified-radix-cache"
-    supported = SpecifierSet(">=0.5.21,<0.6")
+    # Not 0.5.21: its UnifiedRadixCache has no ``checkpoint()`` (a finished request is inserted by
+    # ``insert_req``, a chunked one by ``cache_unfinished_req``, which publish without the cap of
+    # step 4) and no ``SchedulerInternalStateController``; the version matrix ran it and the
+    # patch failed to install (docs/sglang.md, "Version matrix"). Refused at start-up by name.
+    supported = SpecifierSet(">=0.5.22,<0.6")
 
     def __init__(self, config: Config) -> None:
         view = VersionView(
