@@ -50,7 +50,7 @@ $(addprefix test-,$(PROFILES)): test-%: venv-%
 $(addprefix venv-,$(MATRIX_EXTRA)): venv-%:
 	@scripts/bootstrap.sh $* $(VENV_$*)
 
-# Runs every version even when one fails; prints one line per version (its pytest summary and
+# Runs every version even when one fails; prints one line per version (pytest's counts and
 # seconds; the whole output in $(MATRIX_LOGS)/<profile>.log) and fails if any version failed.
 test-matrix: $(addprefix venv-,$(MATRIX))
 	@mkdir -p $(MATRIX_LOGS); failed=(); summary=(); \
@@ -59,7 +59,8 @@ test-matrix: $(addprefix venv-,$(MATRIX))
 		echo "== sglang $$ver ($$v): pytest $(TESTS_MATRIX)"; start=$$SECONDS; \
 		SEMBLEND_TEST_MATRIX=1 $$v/bin/python -m pytest -q -p no:cacheprovider $(TESTS_MATRIX) \
 			$(PYTEST_ARGS) 2>&1 | tee $(MATRIX_LOGS)/$$p.log; rc=$${PIPESTATUS[0]}; \
-		summary+=("sglang $$ver: $$(tail -n 1 $(MATRIX_LOGS)/$$p.log) ($$((SECONDS - start)) s)"); \
+		counts="$$(grep -E '^[0-9]+ [a-z]+.* in [0-9.]+s' $(MATRIX_LOGS)/$$p.log | tail -n 1)"; \
+		summary+=("sglang $$ver: $${counts:-no pytest summary} ($$((SECONDS - start)) s)"); \
 		[[ $$rc == 0 ]] || failed+=("$$ver"); \
 	done; \
 	echo "== version matrix ($$(date -u +%F), $$(lscpu | sed -n 's/^Model name: *//p'))"; \
