@@ -142,7 +142,7 @@ class Config:
     keep_reused_donors: bool = setting(
         True,
         "Keep the unpublished prompt KV of a request that reused KV as donor KV outside SGLang's "
-        "tree (evicted before the tree) instead of freeing it (SGLang 0.5.21+; docs/sglang.md).",
+        "tree (evicted before the tree) instead of freeing it (SGLang 0.5.22+; docs/sglang.md).",
     )
     report_reuse_to_client: bool = setting(
         False,

@@ -1,4 +1,4 @@
-"""Donor-aware dispatch inside SGLang's own ``DataParallelController`` (sglang 0.5.21+).
+"""Donor-aware dispatch inside SGLang's own ``DataParallelController`` (sglang 0.5.22+).
 
 The plugin (:func:`semblend_sglang.patches.sglang.load_plugin`) runs in the controller process
 before the controller is built; :func:`install_dp_dispatch` wraps

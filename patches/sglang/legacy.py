@@ -8,7 +8,7 @@ prefill) and ``cache_finished_req`` (release). From 0.5.19 on the default tree i
 adapter does not claim those versions.
 
 exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- donor_i, the same
-one-pass sparse extend as the 0.5.21+ adapter (:mod:`.unified`, :mod:`.one_pass`):
+one-pass sparse extend as the 0.5.22+ adapter (:mod:`.unified`, :mod:`.one_pass`):
 
 1. ``RadixCache.match_prefix`` / ``HiRadixCache.match_prefix``: the original runs and its result is
    returned unchanged; the provider is asked once per request id.
@@ -30,7 +30,7 @@ one-pass sparse extend as the 0.5.21+ adapter (:mod:`.unified`, :mod:`.one_pass`
    [c, end) and then lets the original handle T[0:c) only. Reused KV, and everything computed
    after it, never reaches the tree, and no slot is owned twice.
 5. A request whose prompt is published becomes a donor (the provider keeps its token ids); one
-   that reused KV donates its exact head T[0:c). (The held-donor store of the 0.5.21+ adapter is
+   that reused KV donates its exact head T[0:c). (The held-donor store of the 0.5.22+ adapter is
    not ported: SGLang frees a recipient's slots after c at release.)
 
 substitute (opt-in): ``Scheduler._add_request_to_queue`` rewrites an arriving request's prompt to

@@ -33,7 +33,7 @@ _warned_shape = False
 
 def attention_peers(cache: Any) -> list[Any]:
     """The CPU process groups of the ranks that run ``cache``'s batches with it, for sglang
-    0.5.21+ (``UnifiedRadixCache.attn_cp_group`` / ``attn_tp_group``, set from SGLang's
+    0.5.22+ (``UnifiedRadixCache.attn_cp_group`` / ``attn_tp_group``, set from SGLang's
     ``CacheInitParams``): each group with more than one rank. Empty without torch.distributed."""
     return _groups_with_peers(
         getattr(cache, name, None) for name in ("attn_cp_group", "attn_tp_group")

@@ -1,6 +1,6 @@
 """What the request flow reads from one family of sglang versions, as data.
 
-A version adapter (:mod:`.unified` for 0.5.21+, :mod:`.legacy` for 0.5.15 - 0.5.18) fills one
+A version adapter (:mod:`.unified` for 0.5.22+, :mod:`.legacy` for 0.5.15 - 0.5.18) fills one
 :class:`VersionView`; :mod:`.request_flow` and :mod:`.one_pass` call its functions and never name a
 version-specific sglang attribute themselves. Nothing here imports sglang.
 """

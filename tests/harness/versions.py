@@ -1,6 +1,6 @@
 """Which sglang the tests run against, and what the adapter-contract suite needs to know about it.
 
-`installed_part()` picks the `VersionPart` of the installed sglang: `UnifiedPart` for 0.5.21+
+`installed_part()` picks the `VersionPart` of the installed sglang: `UnifiedPart` for 0.5.22+
 (`UnifiedRadixCache`, `make test`), `LegacyPart` for 0.5.15 - 0.5.18 (`RadixCache`,
 `make test-legacy`). A part names the harness, adapter and tree classes, the measured floors of
 the randomized runs, and the few seams whose spelling differs (a request's exact-hit count, the
@@ -81,7 +81,7 @@ class VersionPart(ABC):
 
 
 class UnifiedPart(VersionPart):
-    """sglang 0.5.21+ (`UnifiedRadixCache`; 0.5.23 in `make test`)."""
+    """sglang 0.5.22+ (`UnifiedRadixCache`; 0.5.23 in `make test`)."""
 
     name = "unified"
     harness_cls = SglangCacheHarness
