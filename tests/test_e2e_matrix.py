@@ -13,8 +13,6 @@ other test of that server uses.
 from __future__ import annotations
 
 import os
-import re
-import urllib.request
 from importlib.metadata import version
 from typing import Any
 
@@ -23,7 +21,7 @@ import pytest
 from semblend_sglang.bench.client import semblend_state
 from semblend_sglang.patches.sglang import adapter_class_for, installed_sglang_version
 from semblend_sglang.server import SglangServer, http_json
-from tests.harness.server import generate
+from tests.harness.server import copied_tokens, generate, outcome_count, semblend_metrics
 
 pytestmark = [
     pytest.mark.e2e,
@@ -41,30 +39,6 @@ NEW_TOKENS = 16
 AGREE_TOKENS = 4
 """Greedy tokens the hit must share with the cold run of its prompt: the reused document KV
 attended to another instruction, so decoding may part later (tests/test_e2e_semantic.py)."""
-
-
-def _server_metrics(url: str) -> dict[str, float]:
-    """semblend's series on the server's ``/metrics`` (Prometheus text), summed over schedulers
-    (the ``pid`` label dropped); names keep their other labels."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("semblend_") and not line.startswith("semblend_lookup_seconds"):
-            name, value = line.rsplit(" ", 1)
-            name = re.sub(r',?pid="\d+"', "", name).replace("{}", "")
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
-def _materialized(metrics: dict[str, float]) -> float:
-    return metrics.get('semblend_requests_total{outcome="materialized"}', 0.0)
-
-
-def _copied(metrics: dict[str, float]) -> float:
-    """Tokens copied from donors: kept, or recomputed by the recompute budget."""
-    return metrics.get("semblend_reused_tokens_total", 0.0) + metrics.get(
-        "semblend_recomputed_tokens_total", 0.0
-    )
 
 
 SERVED = adapter_class_for(installed_sglang_version()) is not None
@@ -93,17 +67,27 @@ def test_served_semantic_hit_matches_cold_run(
     doc = enc(essay_texts[33], add_special_tokens=False)[:DOC_TOKENS]
     assert len(doc) == DOC_TOKENS
     generate(url, enc(DONOR_HEAD, add_special_tokens=False) + doc, 4)  # the donor
-    before = _server_metrics(url)
+    before = semblend_metrics(url)
     target = enc(TARGET_HEAD, add_special_tokens=False) + doc
     hit = generate(url, target, NEW_TOKENS)
-    after = _server_metrics(url)
-    assert _materialized(after) - _materialized(before) == 1, (installed, before, after)
-    assert _copied(after) - _copied(before) >= 0.9 * DOC_TOKENS, (installed, before, after)
+    after = semblend_metrics(url)
+    assert outcome_count(after, "materialized") - outcome_count(before, "materialized") == 1, (
+        installed,
+        before,
+        after,
+    )
+    assert copied_tokens(after) - copied_tokens(before) >= 0.9 * DOC_TOKENS, (
+        installed,
+        before,
+        after,
+    )
     assert hit["meta_info"]["completion_tokens"] == NEW_TOKENS
 
     cold = generate(url, target, NEW_TOKENS, cache_salt="matrix-cold")  # no donor, no prefix
     assert cold["meta_info"]["cached_tokens"] == 0
-    assert _materialized(_server_metrics(url)) == _materialized(after)
+    assert outcome_count(semblend_metrics(url), "materialized") == outcome_count(
+        after, "materialized"
+    )
     got, want = hit["output_ids"], cold["output_ids"]
     agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
     assert agree >= AGREE_TOKENS, (installed, got, want)
@@ -129,4 +113,4 @@ def test_unserved_version_is_refused_by_name_and_serves_unpatched(
     cold = generate(url, target, NEW_TOKENS, cache_salt="matrix-cold")
     assert answer["meta_info"]["completion_tokens"] == NEW_TOKENS
     assert answer["output_ids"] == cold["output_ids"]  # nothing reused: the cold answer
-    assert _materialized(_server_metrics(url)) == 0
+    assert outcome_count(semblend_metrics(url), "materialized") == 0

@@ -19,7 +19,13 @@ import pytest
 
 from semblend_sglang.server import SglangServer, http_json
 from tests.conftest import REPO_ROOT
-from tests.harness.server import generate, semblend_totals
+from tests.harness.server import (
+    copied_tokens,
+    generate,
+    outcome_count,
+    semblend_metrics,
+    semblend_totals,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -37,28 +43,6 @@ def server(semblend_server: SglangServer) -> SglangServer:
     return semblend_server
 
 
-def _metrics(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("semblend_") and not line.startswith("semblend_lookup_seconds"):
-            name, value = line.rsplit(" ", 1)
-            name = re.sub(r',?pid="\d+"', "", name).replace("{}", "")
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
-def _copied(metrics: dict[str, float]) -> float:
-    """Tokens copied from donors: kept, or recomputed by the recompute budget."""
-    return metrics.get("semblend_reused_tokens_total", 0.0) + metrics.get(
-        "semblend_recomputed_tokens_total", 0.0
-    )
-
-
-def _outcome(metrics: dict[str, float], outcome: str) -> float:
-    return metrics.get(f'semblend_requests_total{{outcome="{outcome}"}}', 0.0)
-
-
 def test_changed_instruction_reuses_the_shared_document(
     server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
 ) -> None:
@@ -66,16 +50,16 @@ def test_changed_instruction_reuses_the_shared_document(
     doc = enc(essay_texts[0], add_special_tokens=False)[:1100]
     assert len(doc) >= 1000
     first = generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc, 8)
-    before = _metrics(server.url)
+    before = semblend_metrics(server.url)
     target = enc(INSTRUCTIONS[1], add_special_tokens=False) + doc
     second = generate(server.url, target, 16)
-    after = _metrics(server.url)
-    reused = _copied(after) - _copied(before)
+    after = semblend_metrics(server.url)
+    reused = copied_tokens(after) - copied_tokens(before)
     assert reused >= 0.9 * len(doc), (reused, len(doc))
     assert after["semblend_recomputed_tokens_total"] > before.get(
         "semblend_recomputed_tokens_total", 0
     )  # the default recompute budget spent some of it
-    assert _outcome(after, "materialized") - _outcome(before, "materialized") == 1
+    assert outcome_count(after, "materialized") - outcome_count(before, "materialized") == 1
     # reuse at another offset is not client-visible: SGLang reports its exact prefix only
     assert second["meta_info"]["cached_tokens"] < 50
     assert second["meta_info"]["completion_tokens"] == 16 and second["text"]
@@ -92,9 +76,9 @@ def test_changed_instruction_reuses_the_shared_document(
     # An exact repeat is not served from the approximate KV: had it been published, the exact
     # prefix would cover the prompt and the provider would route it as "exact".
     repeat = generate(server.url, target, 8)
-    final = _metrics(server.url)
-    assert _outcome(final, "exact") == _outcome(after, "exact")
-    assert _outcome(final, "materialized") == _outcome(after, "materialized") + 1
+    final = semblend_metrics(server.url)
+    assert outcome_count(final, "exact") == outcome_count(after, "exact")
+    assert outcome_count(final, "materialized") == outcome_count(after, "materialized") + 1
     assert repeat["meta_info"]["cached_tokens"] < 50
 
 
@@ -116,7 +100,7 @@ def test_sixteen_concurrent_mixed_requests_complete_and_pools_stay_consistent(
     with ThreadPoolExecutor(max_workers=16) as pool:
         results = list(pool.map(lambda ids: generate(server.url, ids, 6), prompts))
     assert all(r["meta_info"]["completion_tokens"] == 6 for r in results)
-    assert _outcome(_metrics(server.url), "materialized") >= 3
+    assert outcome_count(semblend_metrics(server.url), "materialized") >= 3
     time.sleep(1)  # idle: the scheduler runs its strict pool/tree checks on its first idle loop
     with urllib.request.urlopen(server.url + "/health_generate", timeout=120) as resp:
         assert resp.status == 200  # the scheduler still runs a forward after its idle checks
@@ -142,17 +126,17 @@ def test_a_passage_computed_after_a_reused_one_is_reused_from_the_held_donor(
     doc_c = enc(essay_texts[5], add_special_tokens=False)[:500]
     heads = [enc(t, add_special_tokens=False) for t in INSTRUCTIONS]
     generate(server.url, heads[0] + doc_a, 2)
-    before = _metrics(server.url)
+    before = semblend_metrics(server.url)
     generate(server.url, heads[1] + doc_a + doc_c, 2)  # reuses A, computes C
-    middle = _metrics(server.url)
-    assert _outcome(middle, "materialized") - _outcome(before, "materialized") == 1
+    middle = semblend_metrics(server.url)
+    assert outcome_count(middle, "materialized") - outcome_count(before, "materialized") == 1
     held = semblend_totals(server.url)["held_donors"]
     assert held["kept"] >= 1 and held["tokens"] >= len(doc_c), held
 
     probe = heads[2] + doc_c + heads[3]
     got = generate(server.url, probe, 16)
-    after = _metrics(server.url)
-    reused = _copied(after) - _copied(middle)
+    after = semblend_metrics(server.url)
+    reused = copied_tokens(after) - copied_tokens(middle)
     assert reused >= 0.9 * len(doc_c), (reused, len(doc_c))
     assert semblend_totals(server.url)["held_donors"]["matched"] > held["matched"]
     cold = generate(server.url, probe, 16, cache_salt="cold-held")
@@ -177,13 +161,13 @@ def test_a_request_that_opts_out_is_served_cold_on_both_apis(
     doc = enc(essay_texts[6], add_special_tokens=False)[:900]
     generate(server.url, enc(INSTRUCTIONS[0], add_special_tokens=False) + doc, 8)  # the donor
     target = enc(INSTRUCTIONS[2], add_special_tokens=False) + doc
-    before = _metrics(server.url)
+    before = semblend_metrics(server.url)
     off = generate(server.url, target, 16, custom_params={"semblend_reuse": False})
-    after = _metrics(server.url)
+    after = semblend_metrics(server.url)
     opted = 'semblend_declined_total{reason="opted_out"}'
     assert after[opted] - before.get(opted, 0.0) == 1
-    assert _outcome(after, "materialized") == _outcome(before, "materialized")
-    assert _copied(after) == _copied(before)  # nothing read from the donor
+    assert outcome_count(after, "materialized") == outcome_count(before, "materialized")
+    assert copied_tokens(after) == copied_tokens(before)  # nothing read from the donor
     cold = generate(server.url, target, 16, cache_salt="opt-out-cold")
     assert cold["meta_info"]["cached_tokens"] == 0
     assert off["output_ids"] == cold["output_ids"]
@@ -198,13 +182,16 @@ def test_a_request_that_opts_out_is_served_cold_on_both_apis(
     }
     answer = http_json(server.url + "/v1/completions", body)
     assert answer["choices"][0]["text"]
-    assert _metrics(server.url)[opted] - after[opted] == 1
+    assert semblend_metrics(server.url)[opted] - after[opted] == 1
     # without the key a request of the same kind reuses the donor (not ``target`` itself:
     # the opted-out requests were served cold and published it as an exact prefix)
-    plain = _metrics(server.url)
+    plain = semblend_metrics(server.url)
     other = enc(INSTRUCTIONS[3], add_special_tokens=False) + doc
     http_json(server.url + "/v1/completions", {**body, "prompt": other, "custom_params": None})
-    assert _outcome(_metrics(server.url), "materialized") == _outcome(plain, "materialized") + 1
+    assert (
+        outcome_count(semblend_metrics(server.url), "materialized")
+        == outcome_count(plain, "materialized") + 1
+    )
 
 
 ONLY_AFTER_FIRST_EVENT = frozenset({"semblend_errors_total"})

@@ -1,8 +1,11 @@
 """The real SGLang server for end-to-end tests: started on a free port, healthy, stopped; and
-the tests' requests to it (one non-streamed ``POST /generate``, semblend's snapshot counters)."""
+the tests' requests to it (one non-streamed ``POST /generate``, semblend's snapshot counters and
+its ``/metrics`` series)."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,3 +110,30 @@ def semblend_totals(url: str) -> dict[str, Any]:
     total = semblend_snapshot(url)
     assert total is not None, f"{url} has no /semblend/snapshot route"
     return total
+
+
+def semblend_metrics(url: str) -> dict[str, float]:
+    """semblend's series on the server's ``/metrics`` (Prometheus text, ``--enable-metrics``),
+    summed over schedulers (the ``pid`` label dropped); names keep their other labels. The
+    lookup-time histogram is left out."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("semblend_") and not line.startswith("semblend_lookup_seconds"):
+            name, value = line.rsplit(" ", 1)
+            name = re.sub(r',?pid="\d+"', "", name).replace("{}", "")
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def copied_tokens(metrics: dict[str, float]) -> float:
+    """Tokens copied from donors in :func:`semblend_metrics`: kept, or recomputed by the
+    recompute budget."""
+    return metrics.get("semblend_reused_tokens_total", 0.0) + metrics.get(
+        "semblend_recomputed_tokens_total", 0.0
+    )
+
+
+def outcome_count(metrics: dict[str, float], outcome: str) -> float:
+    """Requests with ``outcome`` (exact, materialized, ...) in :func:`semblend_metrics`."""
+    return metrics.get(f'semblend_requests_total{{outcome="{outcome}"}}', 0.0)
