@@ -31,6 +31,7 @@ from semblend_sglang.config_fields import parse_flag
 
 from .after_import import call_after_import
 from .request_info import reuse_value_error
+from .wrapping import Originals, install_wrappers, restore
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 _registered: set[str] = set()
 """Seams whose install hook is registered (run now or at their module's import)."""
 
-_restore: dict[str, Callable[[], None]] = {}
-"""How to put back each seam the guard wrapped, by seam name."""
+_restore: dict[str, Originals] = {}
+"""What :func:`.wrapping.restore` puts back for each seam the guard wrapped, by seam name."""
 
 
 def prompt_error(input_ids: Sequence[int] | None, vocab_size: int | None) -> str | None:
@@ -142,10 +143,9 @@ def _guard_tokenizer_manager(module: ModuleType) -> None:
             raise ValueError(error)
         original(self, obj, input_ids)
 
-    _validate_one_request.__wrapped__ = original  # type: ignore[attr-defined]
-    _validate_one_request.__doc__ = original.__doc__
-    owner._validate_one_request = _validate_one_request
-    _restore["tokenizer_manager"] = lambda: setattr(owner, "_validate_one_request", original)
+    _restore["tokenizer_manager"] = install_wrappers(
+        {(owner, "_validate_one_request"): _validate_one_request}
+    )
 
 
 def _guard_scheduler(module: ModuleType) -> None:
@@ -168,10 +168,9 @@ def _guard_scheduler(module: ModuleType) -> None:
         result: str | None = original(req, *args, **kwargs)
         return result
 
-    validate_input_length.__wrapped__ = original  # type: ignore[attr-defined]
-    validate_input_length.__doc__ = original.__doc__
-    module.validate_input_length = validate_input_length
-    _restore["scheduler"] = lambda: setattr(module, "validate_input_length", original)
+    _restore["scheduler"] = install_wrappers(
+        {(module, "validate_input_length"): validate_input_length}
+    )
 
 
 def _top_logprobs_num(req: Any) -> Any:
@@ -222,5 +221,5 @@ def remove_request_guard() -> None:
     """Put back every seam the guard wrapped in this process (tests; idempotent). A seam whose
     module is not imported yet is guarded when it is, unless removed again after."""
     for seam in list(_restore):
-        _restore.pop(seam)()
+        restore(_restore.pop(seam))
         _registered.discard(seam)

@@ -7,12 +7,13 @@ version adapters, the attention hooks); nothing here imports sglang.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
-Wrappers = Mapping[tuple[type, str], Callable[..., Any]]
-"""Wrappers by (owner class, method name)."""
-Originals = dict[tuple[type, str], Any]
-"""What :func:`restore` puts back, by (owner class, method name)."""
+Wrappers = Mapping[tuple[type | ModuleType, str], Callable[..., Any]]
+"""Wrappers by (owner class or module, attribute name)."""
+Originals = dict[tuple[type | ModuleType, str], Any]
+"""What :func:`restore` puts back, by (owner class or module, attribute name)."""
 
 _INHERITED = object()
 """Marks a replaced method that the class inherited (restored by deleting the wrapper)."""
