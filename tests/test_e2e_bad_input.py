@@ -277,6 +277,7 @@ def test_every_bad_request_gets_a_reason_and_the_server_keeps_serving(
         assert after["outcomes"].get("cold_fallback", 0) == 0, after
 
 
+@pytest.mark.parametrize("server", ["on"], indirect=True)  # semblend off has no semantic path
 def test_semantic_path_under_a_disconnect_ends_cleanly_and_the_next_hit_reuses(
     server: tuple[str, SglangServer], smollm2_tokenizer: Any, essay_texts: list[str]
 ) -> None:
@@ -286,9 +287,7 @@ def test_semantic_path_under_a_disconnect_ends_cleanly_and_the_next_hit_reuses(
     and answers exactly as the same hit does in a third namespace where nothing failed. Its
     answer beside a cold run of the same prompt (another cache_salt) is reuse's quality,
     which the bench measures (docs/perf.md); here both must be complete."""
-    mode, srv = server
-    if mode == "off":
-        pytest.skip("semblend off: no semantic path")
+    _, srv = server
     url = srv.url
     enc = smollm2_tokenizer.encode
     doc = _prompt(smollm2_tokenizer, essay_texts, 40, 800)
