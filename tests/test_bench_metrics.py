@@ -14,10 +14,12 @@ from semblend_sglang.bench.metrics import (
     fraction,
     greedy_agreement,
     input_logprobs_from_meta,
+    mcnemar_exact,
     miss_overhead,
     percentile,
     perplexity,
     ppl_ratio,
+    read_answer,
     rouge_l,
     rouge_l_ids,
     summarize_ms,
@@ -152,3 +154,44 @@ def test_input_logprobs_from_meta_errors() -> None:
         input_logprobs_from_meta(META, 2, expected_ids=[12, 14])
     with pytest.raises(ValueError, match="n must be"):
         input_logprobs_from_meta(META, 0)
+
+
+def test_mcnemar_exact_known_values() -> None:
+    assert mcnemar_exact(0, 5) == 0.0625  # 2 * 1/32
+    assert mcnemar_exact(1, 9) == 0.021484375  # 2 * (1 + 10)/1024
+    assert mcnemar_exact(9, 1) == 0.021484375  # two-sided: symmetric in b and c
+    assert mcnemar_exact(2, 10) == 0.03857421875  # 2 * (1 + 12 + 66)/4096
+    assert mcnemar_exact(0, 1) == 1.0  # 2 * 1/2
+    assert mcnemar_exact(0, 6) == 0.03125  # 2 * 1/64: the fewest discordant pairs under 0.05
+    for b in range(0, 12):
+        assert mcnemar_exact(b, b) == 1.0  # capped at 1
+    assert mcnemar_exact(0, 0) == 1.0  # no discordant pair: no evidence
+    with pytest.raises(ValueError, match=">= 0"):
+        mcnemar_exact(-1, 3)
+
+
+def test_mcnemar_exact_matches_scipy_binomtest() -> None:
+    stats = pytest.importorskip("scipy.stats")
+    for b in range(0, 25):
+        for c in range(0, 25):
+            if b + c:
+                want = stats.binomtest(min(b, c), b + c, 0.5).pvalue
+                assert mcnemar_exact(b, c) == pytest.approx(want, rel=1e-12), (b, c)
+    # large counts: exact integers, no overflow
+    assert mcnemar_exact(600, 400) == pytest.approx(stats.binomtest(400, 1000, 0.5).pvalue)
+
+
+def test_read_answer_normalizes_like_the_scoring() -> None:
+    # yes/no: the first yes/no word, whatever follows
+    assert read_answer("No.\n\nThe passage says it is not.", "yes_no") == "no"
+    assert read_answer("Yes, house tax and property tax are the same.", "yes_no") == "yes"
+    assert read_answer("The passage does not say.", "yes_no") is None
+    # span: the first non-blank line, SQuAD-normalized (case, punctuation, articles)
+    assert read_answer("\nThe Afranji.\nQuestion: next", "span") == "afranji"
+    assert read_answer("afranji", "span") == read_answer("The Afranji.", "span")
+    assert read_answer("eight General Education categories", "span") == (
+        "eight general education categories"
+    )
+    assert read_answer("", "span") == ""
+    with pytest.raises(ValueError, match="answer kind"):
+        read_answer("yes", "multiple_choice")

@@ -5,7 +5,8 @@ prefill of the same prompt: :func:`ppl_ratio` of a reference continuation teache
 the server (:func:`input_logprobs_from_meta` reads SGLang's answer), :func:`greedy_agreement` /
 :func:`first_divergence` of greedy outputs and the cold :func:`divergence_margin` there,
 :func:`rouge_l` / :func:`rouge_l_ids`. Against gold answers (the QA workloads): :func:`score_answer`
-(:func:`yes_no` accuracy; SQuAD :func:`exact_match` and :func:`token_f1` of spans).
+(:func:`yes_no` accuracy; SQuAD :func:`exact_match` and :func:`token_f1` of spans); against the
+cold run's answer: :func:`read_answer`; paired right/wrong counts: :func:`mcnemar_exact`.
 """
 
 from __future__ import annotations
@@ -287,3 +288,28 @@ def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:
         span = answer_span(output)
         return QAScore(exact_match(span, answers), token_f1(span, answers))
     raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")
+
+
+def read_answer(output: str, kind: str) -> str | None:
+    """The answer a ``kind`` question's ``output`` gives, normalized, for comparing two runs'
+    answers: for ``yes_no`` :func:`yes_no` of the output (None when it has neither word); for
+    ``span`` :func:`normalize_answer` of :func:`answer_span`. ValueError for another ``kind``."""
+    if kind == "yes_no":
+        return yes_no(output)
+    if kind == "span":
+        return normalize_answer(answer_span(output))
+    raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value of paired right/wrong outcomes: ``b`` pairs right on the
+    first side and wrong on the second, ``c`` the reverse. Twice the binomial probability
+    (p = 0.5) of at most ``min(b, c)`` successes in ``b + c`` trials, capped at 1; 1.0 when
+    ``b + c == 0``. Computed exactly from :func:`math.comb`. ValueError for a negative count."""
+    if b < 0 or c < 0:
+        raise ValueError(f"counts must be >= 0, not b={b}, c={c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
+    return min(1.0, 2 * tail / 2**n)
