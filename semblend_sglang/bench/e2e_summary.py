@@ -2,13 +2,14 @@
 or, for a user's workload file (``by_label``), one per workload, probe ``label`` and context
 length. A row holds TTFT median, p90 and range per system and kind over every repeat,
 server-confirmed hits and reuse per semblend system, quality against the cold run of the same
-probe (first repeat), accuracy against gold answers where probes carry them (the QA workloads),
-the recompute settings the system's server resolved and what its recompute
-budget and quality gate did, and on control rows (no probe in the row has a donor) the miss
-overhead. Ratios (spans/exact, speed-up over cold, miss overhead) are medians of per-probe paired
-ratios: both requests of a pair measured in the same repeat of the same probe. A row is
-``noisy`` when a paired ratio's range exceeds :data:`NOISY_SPREAD` of its median or another
-process took more than :data:`.machine_load.FOREIGN_LOAD_LIMIT` cores while it was measured.
+probe (first repeat), answers scored against gold answers where probes carry them (the QA
+workloads; each dataset on its own, paired with the cold run), the recompute settings the
+system's server resolved and what its recompute budget and quality gate did, and on control
+rows (no probe in the row has a donor) the miss overhead. Ratios (spans/exact, speed-up over
+cold, miss overhead) are medians of per-probe paired ratios: both requests of a pair measured
+in the same repeat of the same probe. A row is ``noisy`` when a paired ratio's range exceeds
+:data:`NOISY_SPREAD` of its median or another process took more than
+:data:`.machine_load.FOREIGN_LOAD_LIMIT` cores while it was measured.
 """
 
 from __future__ import annotations
@@ -19,15 +20,20 @@ from typing import Any
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
 from .machine_load import FOREIGN_LOAD_LIMIT
 from .metrics import (
+    QAScore,
     divergence_margin,
     first_divergence,
     greedy_agreement,
+    mcnemar_exact,
     percentile,
     ppl_ratio,
+    read_answer,
     rouge_l,
     score_answer,
 )
+from .qa_data import QA_DATASETS
 from .systems import SEMBLEND_SYSTEMS, SGLANG_DISPATCH
+from .workloads import GoldAnswer
 
 TTFT_KINDS: tuple[tuple[str, str], ...] = (
     ("vanilla", "cold"),
@@ -76,8 +82,10 @@ QA_SOURCES: tuple[tuple[str, str, str], ...] = (
     ("substitute", "substitute", "semantic"),
     (SGLANG_DISPATCH, SGLANG_DISPATCH, "semantic"),
 )
-"""(column prefix, system, kind) of the outputs scored against gold answers: each row has
-``{prefix}_accuracy``, ``{prefix}_f1`` and ``{prefix}_qa_n`` (:func:`qa_columns`)."""
+"""(source, system, kind) of the outputs scored against gold answers, per dataset
+(:func:`qa_columns`); ``cold`` is the baseline the others are paired with."""
+UNNAMED_DATASET = "unnamed"
+"""The dataset name of a gold answer that names none."""
 
 _Key = tuple[str, str | None, int]
 _Pair = tuple[str, int, int]
@@ -182,28 +190,117 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _gold(rec: ProbeRecord) -> GoldAnswer:
+    if rec.gold is None:
+        raise ValueError(f"{rec.group_id} probe {rec.probe} on {rec.system} has no gold answer")
+    return rec.gold
+
+
+def _qa_score(rec: ProbeRecord) -> QAScore:
+    gold = _gold(rec)
+    return score_answer(rec.text, gold.kind, gold.answers)
+
+
+def _qa_means(scored: Sequence[tuple[ProbeRecord, QAScore]], prefix: str = "") -> dict[str, Any]:
+    """``{prefix}accuracy`` (mean yes/no correct over the ``yes_no`` probes), ``{prefix}em`` and
+    ``{prefix}f1`` (mean exact match and token F1 over the ``span`` probes); None where the
+    probes have no answer of that kind."""
+    yes_no = [s.correct for r, s in scored if _gold(r).kind == "yes_no"]
+    spans = [s for r, s in scored if _gold(r).kind == "span"]
+    return {
+        f"{prefix}accuracy": _mean(yes_no),
+        f"{prefix}em": _mean([s.correct for s in spans]),
+        f"{prefix}f1": _mean([s.f1 for s in spans if s.f1 is not None]),
+    }
+
+
+def _qa_paired(pairs: Sequence[tuple[ProbeRecord, ProbeRecord]]) -> dict[str, Any]:
+    """A reuse source's probes (first of each pair) against cold's run of the same probe."""
+    reused = [(r, _qa_score(r)) for r, _ in pairs]
+    cold = [(c, _qa_score(c)) for _, c in pairs]
+    right = [
+        (cold_score.correct >= 1.0, score.correct >= 1.0)
+        for (_, score), (_, cold_score) in zip(reused, cold, strict=True)
+    ]
+    b = sum(was and not now for was, now in right)
+    c = sum(now and not was for was, now in right)
+    agree = [
+        read_answer(r.text, _gold(r).kind) == read_answer(k.text, _gold(r).kind) for r, k in pairs
+    ]
+    greedy = [greedy_agreement(r.output_ids, k.output_ids, GREEDY_TOKENS) for r, k in pairs]
+    return {
+        "paired": len(pairs),
+        **_qa_means(cold, "cold_"),
+        "agreement": _mean([float(a) for a in agree]),
+        "greedy_agreement": _mean(greedy),
+        "b": b,
+        "c": c,
+        "mcnemar_p": mcnemar_exact(b, c),
+    }
+
+
+def dataset_order(names: Sequence[str]) -> list[str]:
+    """``names`` without repeats: :data:`.qa_data.QA_DATASETS` first, in their order, then
+    the others sorted."""
+    known = [d for d in QA_DATASETS if d in names]
+    return known + sorted(set(names) - set(known))
+
+
 def qa_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
-    """A row's answers scored against the gold answers its probes carry (the QA workloads;
-    :func:`.metrics.score_answer` of each first-repeat output ``text``): ``qa_probes`` (probes
-    with a gold answer) and ``qa_span_probes`` (of them, those with span answers), then per
-    :data:`QA_SOURCES` prefix ``_accuracy`` (mean over its scored probes of yes/no correct or
-    span exact match), ``_f1`` (mean token F1 over its span probes; None when none) and
-    ``_qa_n`` (probes scored; exact_same_length runs only where exact_spans reused a part).
-    Accuracies are None in rows without gold answers. :func:`summarize` calls it per row."""
+    """A row's first-repeat answers (``text``) scored against the gold answers its probes carry
+    (the QA workloads; :func:`.metrics.score_answer`), each dataset on its own.
+
+    ``qa_probes``: probes with a gold answer; ``qa_span_probes``: of them, those with span
+    answers. ``qa_by_dataset``: dataset (the gold answer's; :data:`UNNAMED_DATASET` when it
+    names none) -> source (:data:`QA_SOURCES`, those with a scored probe) -> cell. Every cell:
+    ``n`` (probes scored), ``accuracy`` (share of yes/no answers right), ``em`` and ``f1``
+    (mean SQuAD exact match and token F1 of span answers); a mean is None where the dataset
+    has no answer of its kind. A source other than ``cold`` adds, over its ``paired`` probes
+    (those with vanilla's cold run of the same probe): ``cold_accuracy``, ``cold_em``,
+    ``cold_f1`` (cold's scores on them), ``agreement`` (share whose :func:`.metrics.read_answer`
+    equals cold's), ``greedy_agreement`` (mean agreement of the first 32 greedy tokens with
+    cold's), ``b`` (right cold, wrong here; right: yes/no correct or exact match), ``c`` (the
+    reverse) and ``mcnemar_p`` (:func:`.metrics.mcnemar_exact`); the means are None and the
+    counts 0 when none is paired. Empty ``qa_by_dataset`` in rows without gold answers.
+    :func:`summarize` calls it per row."""
     asked = {(r.group_id, r.probe): r.gold for r in mine if r.gold is not None}
-    out: dict[str, Any] = {
+    scored = [r for r in mine if r.gold is not None and r.repeat == 0]
+    cold_of = {
+        (r.group_id, r.probe): r for r in scored if r.system == "vanilla" and r.kind == "cold"
+    }
+    cells: dict[str, dict[str, dict[str, Any]]] = {}
+    for source, system, kind in QA_SOURCES:
+        by_dataset: dict[str, list[ProbeRecord]] = {}
+        for r in scored:
+            if r.system == system and r.kind == kind:
+                by_dataset.setdefault(_gold(r).dataset or UNNAMED_DATASET, []).append(r)
+        for dataset, runs in by_dataset.items():
+            cell: dict[str, Any] = {"n": len(runs), **_qa_means([(r, _qa_score(r)) for r in runs])}
+            if source != "cold":
+                pairs = [
+                    (r, cold_of[(r.group_id, r.probe)])
+                    for r in runs
+                    if (r.group_id, r.probe) in cold_of
+                ]
+                cell.update(_qa_paired(pairs))
+            cells.setdefault(dataset, {})[source] = cell
+    return {
         "qa_probes": len(asked),
         "qa_span_probes": sum(g.kind == "span" for g in asked.values()),
+        "qa_by_dataset": {d: cells[d] for d in dataset_order(list(cells))},
     }
-    for prefix, system, kind in QA_SOURCES:
-        scores = [
-            score_answer(r.text, r.gold.kind, r.gold.answers)
-            for r in mine
-            if r.gold is not None and r.repeat == 0 and r.system == system and r.kind == kind
-        ]
-        out[f"{prefix}_accuracy"] = _mean([s.correct for s in scores])
-        out[f"{prefix}_f1"] = _mean([s.f1 for s in scores if s.f1 is not None])
-        out[f"{prefix}_qa_n"] = len(scores)
+
+
+def qa_lines(row: Mapping[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(dataset, source, cell) of a summary row's :func:`qa_columns` cells as a table shows
+    them: per dataset, each source other than ``cold`` in :data:`QA_SOURCES` order, or the
+    ``cold`` cell alone when no other source ran."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for dataset, sources in (row.get("qa_by_dataset") or {}).items():
+        reuse = [(s, sources[s]) for s, _, _ in QA_SOURCES if s != "cold" and s in sources]
+        if not reuse and "cold" in sources:
+            reuse = [("cold", sources["cold"])]
+        out += [(dataset, source, cell) for source, cell in reuse]
     return out
 
 
@@ -309,9 +406,9 @@ def summarize(
     ``_miss_overhead``,
     ``_miss_hook_ms`` and ``_miss_overhead_in_scheduler``; ``exact_greedy_agreement`` (the exact
     hit's own agreement, the noise floor) and ``exact_spans_over_exact``; the answers scored
-    against gold answers (:func:`qa_columns`: ``qa_probes``, ``qa_span_probes``,
-    ``cold_accuracy``, ``exact_same_length_accuracy``, ``exact_spans_accuracy``, ... with
-    ``_f1`` and ``_qa_n``). A missing value is None."""
+    against gold answers (:func:`qa_columns`: ``qa_probes``, ``qa_span_probes`` and
+    ``qa_by_dataset``: per dataset and source, accuracy, exact match, F1, agreement with cold
+    and McNemar's paired test). A missing value is None."""
     rows: list[dict[str, Any]] = []
     for workload, label, ctx in _row_keys(records, by_label):
         mine = [

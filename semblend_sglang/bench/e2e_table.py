@@ -4,7 +4,9 @@ ratios sit together (docs/perf.md's strategy × ratio × workload table: one e2e
 e.g. ``--semblend-env SEMBLEND_RECOMPUTE_STRATEGY=heads --semblend-env
 SEMBLEND_RECOMPUTE_RATIO=0.05``). Strategy and ratio are what each run's server resolved (the
 rows' ``exact_spans_recompute_strategy`` and ``_ratio``, JSON schema 4 and later); a report
-without them (schema 3) shows ``?``.
+without them (schema 3) shows ``?``. Rows with QA probes add a second table, one line per row,
+dataset and system: each dataset's scores cold and with reuse, agreement with cold and
+McNemar's paired test (:func:`.e2e_summary.qa_columns`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 import click
 
-from .e2e_summary import row_name
-from .report import ratio_label
+from .e2e_runner import ProbeRecord
+from .e2e_summary import qa_columns, qa_lines, row_name
+from .report import qa_cell_values, ratio_label
 
 MARGIN_KEY = "exact_spans_divergence_margin"
 
@@ -42,15 +45,27 @@ divergence``: median over the hits that part from cold of the cold run's top-1 /
 margin where they part (``—``: none parts; ``?``: some part, but the report has no margins)."""
 
 QA_MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("QA probes", "qa_probes", "d"),
-    ("accuracy cold", "cold_accuracy", ".2f"),
-    ("accuracy exact_spans", "exact_spans_accuracy", ".2f"),
-    ("F1 cold", "cold_f1", ".2f"),
-    ("F1 exact_spans", "exact_spans_f1", ".2f"),
+    ("n", "n", "s"),
+    ("cold acc", "cold_accuracy", ".2f"),
+    ("cold EM", "cold_em", ".2f"),
+    ("cold F1", "cold_f1", ".2f"),
+    ("acc", "accuracy", ".2f"),
+    ("EM", "em", ".2f"),
+    ("F1", "f1", ".2f"),
+    ("answer = cold", "agreement", ".2f"),
+    ("greedy agree", "greedy_agreement", ".2f"),
+    ("b / c", "b_c", "s"),
+    ("McNemar p", "mcnemar_p", ".3g"),
 )
-"""Columns added after :data:`MARKDOWN_COLUMNS` when a row has probes with gold answers (the QA
-workloads, schema 8): answers scored against them, cold and on exact_spans (``—`` in rows
-without)."""
+"""The QA table's columns after the settings, workload, context length, dataset and system:
+(header, key of :func:`.report.qa_cell_values`, format); see :data:`.report.QA_TABLE_LEGEND`."""
+
+QA_HEADING = (
+    "QA, each dataset on its own (first repeat; n: probes scored, with (k) when only k have a "
+    "cold run, over which the cold and paired columns are; acc: yes/no right; EM, F1: SQuAD span "
+    "scores; answer = cold: normalized answer equals cold's; b / c: right cold and wrong with "
+    "reuse / the reverse (right: yes/no correct or exact match); McNemar p: exact two-sided):"
+)
 
 
 def _cell(row: Mapping[str, Any], key: str, spec: str) -> str:
@@ -74,52 +89,93 @@ def _share_label(value: float | None) -> str:
     return "?" if value is None else f"{value * 100:.0f}%"
 
 
-def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
-    """One markdown table of the summary rows of ``reports`` (parsed e2e JSON files) in which
-    exact_spans ran: strategy, ratio, minimum deviation, check share (as its server resolved
-    them; ``?`` when not reported),
-    row name (:func:`.e2e_summary.row_name`), context length, then :data:`MARKDOWN_COLUMNS`
-    and, when a row has QA probes, :data:`QA_MARKDOWN_COLUMNS` (``—`` for a missing value).
-    Sorted by context length, row name, strategy, ratio, minimum deviation, then check share;
-    a header line only when no report has such a row."""
-    rows = [
-        row
-        for report in reports
-        for row in report.get("summary", [])
-        if "exact_spans_hit_rate" in row
+def _settings(row: Mapping[str, Any]) -> list[str]:
+    return [
+        row.get("exact_spans_recompute_strategy") or "?",
+        ratio_label(row.get("exact_spans_recompute_ratio")),
+        _floor_label(row.get("exact_spans_recompute_min_deviation")),
+        _share_label(row.get("exact_spans_recompute_check_share")),
+        row_name(row),
+        str(row["context_tokens"]),
     ]
 
-    def order(row: Mapping[str, Any]) -> tuple[Any, ...]:
-        ratio = row.get("exact_spans_recompute_ratio")
-        strategy = row.get("exact_spans_recompute_strategy") or ""
-        floor = row.get("exact_spans_recompute_min_deviation") or 0.0
-        share = row.get("exact_spans_recompute_check_share") or 0.0
-        return (
-            row["context_tokens"],
-            row_name(row),
-            strategy,
-            ratio is None,
-            ratio or 0.0,
-            floor,
-            share,
-        )
 
-    columns = MARKDOWN_COLUMNS
-    if any(row.get("qa_probes") for row in rows):
-        columns += QA_MARKDOWN_COLUMNS
-    head = ["strategy", "ratio", "min dev", "check", "workload", "ctx", *(h for h, *_ in columns)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in sorted(rows, key=order):
-        cells = [
-            row.get("exact_spans_recompute_strategy") or "?",
-            ratio_label(row.get("exact_spans_recompute_ratio")),
-            _floor_label(row.get("exact_spans_recompute_min_deviation")),
-            _share_label(row.get("exact_spans_recompute_check_share")),
-            row_name(row),
-            str(row["context_tokens"]),
-            *(_cell(row, key, spec) for _, key, spec in columns),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+def _order(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    ratio = row.get("exact_spans_recompute_ratio")
+    return (
+        row["context_tokens"],
+        row_name(row),
+        row.get("exact_spans_recompute_strategy") or "",
+        ratio is None,
+        ratio or 0.0,
+        row.get("exact_spans_recompute_min_deviation") or 0.0,
+        row.get("exact_spans_recompute_check_share") or 0.0,
+    )
+
+
+def _with_qa(report: Mapping[str, Any], row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``row`` with ``qa_by_dataset``: its own (schema 11), else computed from the report's
+    ``records`` of the row (schema 8 to 10, whose rows hold only the cross-dataset figures)."""
+    if "qa_by_dataset" in row or not row.get("qa_probes") or not report.get("records"):
+        return row
+    label = row.get("label")
+    mine = [
+        rec
+        for rec in (ProbeRecord(**data) for data in report["records"])
+        if rec.workload == row["workload"]
+        and rec.context_tokens == row["context_tokens"]
+        and (label is None or rec.label == label)
+    ]
+    return {**row, "qa_by_dataset": qa_columns(mine)["qa_by_dataset"]}
+
+
+def _qa_cells(source: str, cell: Mapping[str, Any]) -> list[str]:
+    values = qa_cell_values(source, cell)
+    return [
+        "—" if values.get(key) is None else format(values[key], spec)
+        for _, key, spec in QA_MARKDOWN_COLUMNS
+    ]
+
+
+def _line(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
+    """The summary rows of ``reports`` (parsed e2e JSON files) in which exact_spans ran as
+    markdown: one table of strategy, ratio, minimum deviation, check share (as its server
+    resolved them; ``?`` when not reported), row name (:func:`.e2e_summary.row_name`), context
+    length and :data:`MARKDOWN_COLUMNS`; then, when a row has QA probes, :data:`QA_HEADING` and
+    a second table with the same first columns, dataset, system and
+    :data:`QA_MARKDOWN_COLUMNS`, one line per row, dataset and system
+    (:func:`.e2e_summary.qa_lines`). ``—`` for a missing value. Rows sorted by context length,
+    row name, strategy, ratio, minimum deviation, then check share; a header line only when no
+    report has such a row."""
+    rows = sorted(
+        (
+            _with_qa(report, row)
+            for report in reports
+            for row in report.get("summary", [])
+            if "exact_spans_hit_rate" in row
+        ),
+        key=_order,
+    )
+    settings = ["strategy", "ratio", "min dev", "check", "workload", "ctx"]
+    head = [*settings, *(h for h, *_ in MARKDOWN_COLUMNS)]
+    lines = [_line(head), "|" + "---|" * len(head)]
+    for row in rows:
+        lines.append(
+            _line([*_settings(row), *(_cell(row, key, spec) for _, key, spec in MARKDOWN_COLUMNS)])
+        )
+    qa = [
+        [*_settings(row), dataset, source, *_qa_cells(source, cell)]
+        for row in rows
+        for dataset, source, cell in qa_lines(row)
+    ]
+    if qa:
+        head = [*settings, "dataset", "system", *(h for h, *_ in QA_MARKDOWN_COLUMNS)]
+        lines += ["", QA_HEADING, "", _line(head), "|" + "---|" * len(head)]
+        lines += [_line(cells) for cells in qa]
     return "\n".join(lines)
 
 
@@ -129,5 +185,6 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
 )
 def command(reports: tuple[Path, ...]) -> None:
     """Print the exact_spans rows of e2e JSON REPORTS as one markdown table: recompute strategy
-    × ratio × workload (TTFT, hits, recompute, gate declines, agreement, PPL ratio)."""
+    × ratio × workload (TTFT, hits, recompute, gate declines, agreement, PPL ratio); QA rows
+    add a table per dataset and system (scores cold and with reuse, McNemar p)."""
     click.echo(markdown_table([json.loads(path.read_text()) for path in reports]))

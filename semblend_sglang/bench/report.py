@@ -1,7 +1,8 @@
 """What the bench jobs report beside their measurements, and how: the machine and software
 (:func:`cpu_model`, :func:`environment`), JSON files (:func:`write_json`), and the e2e job's
-console table of its summary rows (:func:`console_table`) headed by the recompute settings each
-semblend server resolved (:func:`settings_lines`). The e2e plot is :mod:`.plot`.
+console table of its summary rows (:func:`console_table`, with the QA workloads' per-dataset
+table :func:`qa_console_table`) headed by the recompute settings each semblend server resolved
+(:func:`settings_lines`). The e2e plot is :mod:`.plot`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .e2e_summary import RECOMPUTE_SETTINGS, row_name
+from .e2e_summary import RECOMPUTE_SETTINGS, qa_lines, row_name
 from .systems import SGLANG_DISPATCH
 
 PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
@@ -101,23 +102,6 @@ summary key: :func:`console_table` fills it with :func:`recompute_label`. A TTFT
 (``*_ms_p50``) or paired ratio with a range in the row is followed by its spread
 (:func:`spread_label`)."""
 
-QA_TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
-    ("qa n", 4, "qa_probes", "d", 1),
-    ("acc cold", 8, "cold_accuracy", ".2f", 1),
-    ("acc exact", 9, "exact_same_length_accuracy", ".2f", 1),
-    ("acc spans", 9, "exact_spans_accuracy", ".2f", 1),
-    ("f1 cold", 7, "cold_f1", ".2f", 1),
-    ("f1 spans", 8, "exact_spans_f1", ".2f", 1),
-)
-"""Columns :func:`console_table` adds after :data:`TABLE_COLUMNS` when a row has probes with gold
-answers (the QA workloads); same layout."""
-
-QA_TABLE_LEGEND = (
-    "qa n: probes with gold answers (QA workloads); acc cold / exact / spans: their accuracy "
-    "(yes/no correct or span exact match) cold, on the exact hit and on exact_spans; f1 cold / "
-    "spans: token F1 over the span answers."
-)
-
 TABLE_LEGEND = (
     "TTFT median in ms over every repeat, then ±half its range (max - min) as % of the median. "
     "prefix: vanilla SGLang after the donor; exact: vanilla exact hit of the length exact_spans "
@@ -133,6 +117,95 @@ TABLE_LEGEND = (
     " gated: probes its quality gate declined; noise: ! when the row's spread is large or"
     " another process took CPU while it ran (why: below the table), else ok."
 )
+
+
+QA_SOURCE_LABELS: dict[str, str] = {
+    "cold": "cold",
+    "exact_same_length": "exact",
+    "exact_spans": "spans",
+    "substitute": "subst",
+    SGLANG_DISPATCH: "sgl-dp",
+}
+"""How the console's QA table names each :data:`.e2e_summary.QA_SOURCES` source."""
+
+QA_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("n", "n", "s"),
+    ("cold acc", "cold_accuracy", ".2f"),
+    ("cold EM", "cold_em", ".2f"),
+    ("cold F1", "cold_f1", ".2f"),
+    ("acc", "accuracy", ".2f"),
+    ("EM", "em", ".2f"),
+    ("F1", "f1", ".2f"),
+    ("=cold", "agreement", ".2f"),
+    ("agree", "greedy_agreement", ".2f"),
+    ("b/c", "b_c", "s"),
+    ("p", "mcnemar_p", ".3g"),
+)
+"""The QA table's columns after workload, context length, dataset and system: (header, key of
+:func:`qa_cell_values`, format); :mod:`.e2e_table` uses the same keys."""
+
+QA_TABLE_LEGEND = (
+    "QA, each dataset on its own (first repeat): n: probes scored, with (k) when only k of them"
+    " have vanilla's cold run (the cold and paired columns are over those k); acc: yes/no"
+    " answers right; EM, F1: SQuAD exact match and token F1 of span answers; cold acc/EM/F1: the"
+    " same for the cold run; =cold: answers (normalized) equal to cold's; agree: first-32-token"
+    " greedy agreement with cold; b/c: probes right cold and wrong here / wrong cold and right"
+    " here (right: yes/no correct or exact match); p: exact two-sided McNemar p-value of b and c."
+)
+
+
+def qa_cell_values(source: str, cell: Mapping[str, Any]) -> dict[str, Any]:
+    """One QA table line's values (keys of :data:`QA_COLUMNS`) from a
+    :func:`.e2e_summary.qa_columns` cell of ``source``: ``n`` as ``"n"``, or ``"n (k)"`` when
+    only ``k`` of its probes have a cold run; ``b_c`` as ``"b/c"``. A ``cold`` cell (no other
+    source ran) fills the cold columns and leaves the others None."""
+    if source == "cold":
+        return {
+            "n": str(cell["n"]),
+            "cold_accuracy": cell.get("accuracy"),
+            "cold_em": cell.get("em"),
+            "cold_f1": cell.get("f1"),
+        }
+    n, paired = cell["n"], cell.get("paired", 0)
+    return {
+        **{key: cell.get(key) for _, key, _ in QA_COLUMNS},
+        "n": str(n) if paired == n else f"{n} ({paired})",
+        "b_c": f"{cell.get('b', 0)}/{cell.get('c', 0)}" if paired else None,
+        "mcnemar_p": cell.get("mcnemar_p") if paired else None,
+    }
+
+
+def qa_console_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The QA lines of the console report: one per row, dataset and system
+    (:func:`.e2e_summary.qa_lines`) with :data:`QA_COLUMNS`, then :data:`QA_TABLE_LEGEND`;
+    empty when no row has QA cells."""
+    head = ["workload", "ctx", "dataset", "system", *(h for h, _, _ in QA_COLUMNS)]
+    body: list[list[str]] = []
+    for row in rows:
+        for dataset, source, cell in qa_lines(row):
+            values = qa_cell_values(source, cell)
+            body.append(
+                [
+                    row_name(row),
+                    str(row["context_tokens"]),
+                    dataset,
+                    QA_SOURCE_LABELS.get(source, source),
+                    *(_cell(values.get(key), spec, 1) for _, key, spec in QA_COLUMNS),
+                ]
+            )
+    if not body:
+        return []
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+
+    def fmt(cells: Sequence[str]) -> str:
+        left = [f"{c:{w}s}" for c, w in zip(cells[:4], widths[:4], strict=True)]
+        right = [f"{c:>{w}s}" for c, w in zip(cells[4:], widths[4:], strict=True)]
+        return " ".join(left + right)
+
+    lines = [fmt(head)]
+    lines.append("-" * len(lines[0]))
+    lines += [fmt(line) for line in body]
+    return [*lines, QA_TABLE_LEGEND]
 
 
 def spread_label(row: Mapping[str, Any], key: str) -> str:
@@ -199,12 +272,10 @@ def _cell(value: Any, spec: str, scale: int) -> str:
 
 def console_table(rows: Sequence[dict[str, Any]]) -> str:
     """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
-    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS` (and
-    :data:`QA_TABLE_COLUMNS` when a row has QA probes), then :data:`TABLE_LEGEND` (and
-    :data:`QA_TABLE_LEGEND`), then one line per noisy row saying why. A cell with no value shows
-    ``-``."""
-    qa = any(row.get("qa_probes") for row in rows)
-    columns = TABLE_COLUMNS + QA_TABLE_COLUMNS if qa else TABLE_COLUMNS
+    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
+    :data:`TABLE_LEGEND`, then one line per noisy row saying why; when a row has QA probes, a
+    blank line and :func:`qa_console_table`. A cell with no value shows ``-``."""
+    columns = TABLE_COLUMNS
     width = max([18, *(len(row_name(r)) for r in rows)])
     head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
         f" {title:>{w}s}" for title, w, *_ in columns
@@ -217,8 +288,11 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
             for _, w, key, spec, scale in columns
         )
         lines.append(f"{row_name(r):{width}s} {r['context_tokens']:5d}{cells}")
-    lines.append(TABLE_LEGEND + (" " + QA_TABLE_LEGEND if qa else ""))
+    lines.append(TABLE_LEGEND)
     for row in rows:
         if row.get("noisy"):
             lines.append(f"noisy: {row_name(row)} {row['context_tokens']}: {row['noisy_why']}")
+    qa = qa_console_table(rows)
+    if qa:
+        lines += ["", *qa]
     return "\n".join(lines)
