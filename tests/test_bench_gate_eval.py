@@ -23,6 +23,7 @@ from semblend_sglang.bench.gate_eval import (
 from semblend_sglang.bench.workloads import GoldAnswer
 
 YES = GoldAnswer("yes_no", ("yes",), "boolq")
+NORMAN = GoldAnswer("span", ("Afranji",), "disflqa")  # "... what was the Norman castle called ?"
 
 
 def _pair(
@@ -93,11 +94,11 @@ def test_gate_off_and_gate_everything_bound_the_table() -> None:
     cases = gate_cases(_records())
     off = evaluate(cases, "residual", None)
     assert (off.flagged, off.lost, off.lost_caught) == (0, 2, 0)
-    assert off.accuracy == pytest.approx(2 / 4)  # the reused answers: g2, g3 right
+    assert off.accuracy == {"boolq": 2 / 4}  # the reused answers: g2, g3 right
     assert off.speedup == pytest.approx(16 / 4)
     everything = evaluate(cases, "residual", 0.0)
     assert everything.flagged == 4 and everything.recall == 1.0
-    assert everything.accuracy == pytest.approx(3 / 4)  # cold's answers
+    assert everything.accuracy == {"boolq": 3 / 4}  # cold's answers
     assert everything.speedup == pytest.approx(1.0)  # the gate pays one dense forward
     guard = evaluate(cases, "first_margin", 10.0)
     assert guard.flagged == 4 and guard.speedup == pytest.approx(16 / 20)  # reused + dense
@@ -108,7 +109,7 @@ def test_precision_recall_and_the_modelled_cost_at_a_threshold() -> None:
     p = evaluate(cases, "residual", 0.3)  # flags g0 (lost) and g3 (gained)
     assert (p.flagged, p.lost_caught, p.changed_caught) == (2, 1, 2)
     assert p.precision == 0.5 and p.recall == 0.5
-    assert p.accuracy == pytest.approx(2 / 4)  # g0 now right, g3 now wrong
+    assert p.accuracy == {"boolq": 2 / 4}  # g0 now right, g3 now wrong
     assert p.speedup == pytest.approx(16 / (4 + 1 + 1 + 4))
     m = evaluate(cases, "first_margin", 1.0)  # low margins: g0 and g3 again
     assert (m.flagged, m.lost_caught) == (2, 1)
@@ -167,3 +168,20 @@ def test_the_gate_job_reads_a_records_file(tmp_path: Path) -> None:
         text=True,
     )
     assert failed.returncode != 0 and "no exact_spans probe" in failed.stderr
+
+
+def test_accuracy_is_per_dataset_never_pooled() -> None:
+    records = [
+        *_records(),  # BoolQ: reused 2/4 right, cold 3/4
+        *_pair("d0", "Afranji", "The Afranji.", residual=0.05, margin=3.0, gold=NORMAN),  # kept
+        *_pair("d1", "Afranji", "the Normans", residual=0.95, margin=0.05, gold=NORMAN),  # lost
+        *_pair("r0", "essay", "essay!", residual=0.3, margin=1.0, gold=None),  # no gold answer
+    ]
+    cases = gate_cases(records)
+    assert [c.dataset for c in cases] == ["disflqa"] * 2 + ["boolq"] * 4 + [None]  # by group
+    off = evaluate(cases, "residual", None)
+    assert off.accuracy == {"boolq": 2 / 4, "disflqa": 1 / 2} and off.lost == 3
+    assert evaluate(cases, "residual", 0.92).accuracy == {"boolq": 2 / 4, "disflqa": 1.0}
+    rows = table(cases).splitlines()
+    assert "accuracy per dataset" in rows[0]
+    assert "| boolq 0.500, disflqa 0.500 |" in rows[2]  # the gate off

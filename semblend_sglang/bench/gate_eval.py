@@ -13,10 +13,11 @@ Each *case* is one probe that a semblend system served from reused KV (outcome
   request densely. A case is flagged when the margin is below the threshold.
 
 Labels: ``lost`` (cold answered correctly, the reused run did not; QA workloads only) and
-``changed`` (the greedy output ids differ from cold). The cost is modelled from the records'
-own TTFTs: a flagged case costs cold's TTFT under the gate (one dense forward) and the reused
-TTFT plus cold's under the guard (the forward ran, then a dense one); an unflagged case costs
-its reused TTFT. A flagged case answers as cold does.
+``changed`` (the greedy output ids differ from cold). Accuracy is per QA dataset, never pooled
+across datasets. The cost is modelled from the records' own TTFTs: a flagged case costs cold's
+TTFT under the gate (one dense forward) and the reused TTFT plus cold's under the guard (the
+forward ran, then a dense one); an unflagged case costs its reused TTFT. A flagged case answers
+as cold does.
 
 ``python -m semblend_sglang.bench gate REPORT.records.jsonl`` prints the table. Read-only: it
 never talks to a server.
@@ -34,6 +35,7 @@ from pathlib import Path
 import click
 
 from .e2e_runner import ProbeRecord
+from .e2e_summary import UNNAMED_DATASET, dataset_order
 from .metrics import score_answer
 
 RISK_SIGN = {"residual": 1.0, "first_margin": -1.0}
@@ -48,7 +50,8 @@ FLAGGED_SHARES = (0.1, 0.25, 0.5)
 class GateCase:
     """One reused probe beside its cold run. ``residual``/``first_margin``: the signals (None:
     not recorded); ``cold_correct``/``reused_correct``: QA scores (None: no gold answer);
-    ``changed``: the greedy output differs from cold; TTFTs are medians over repeats."""
+    ``changed``: the greedy output differs from cold; TTFTs are medians over repeats;
+    ``dataset``: the gold answer's (None: no gold answer)."""
 
     workload: str
     residual: float | None
@@ -58,6 +61,7 @@ class GateCase:
     changed: bool
     cold_ttft_s: float
     reused_ttft_s: float
+    dataset: str | None = None
 
     @property
     def lost(self) -> bool:
@@ -76,8 +80,9 @@ class GateCase:
 @dataclass(frozen=True, slots=True)
 class GatePoint:
     """One threshold of one signal over a set of cases: how many it flags, how many of the
-    ``lost``/``changed`` cases it catches, the accuracy once flagged cases answer as cold, and
-    the modelled speed-up over cold (sum of cold TTFTs over sum of effective TTFTs)."""
+    ``lost``/``changed`` cases it catches, the accuracy once flagged cases answer as cold (per
+    dataset: share right, yes/no correct or exact match; empty without gold answers), and the
+    modelled speed-up over cold (sum of cold TTFTs over sum of effective TTFTs)."""
 
     signal: str
     threshold: float | None
@@ -87,7 +92,7 @@ class GatePoint:
     lost_caught: int
     changed: int
     changed_caught: int
-    accuracy: float | None
+    accuracy: dict[str, float]
     speedup: float
 
     @property
@@ -135,6 +140,7 @@ def gate_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> l
                 changed=list(first.output_ids) != list(base.output_ids),
                 cold_ttft_s=statistics.median(r.ttft_s for r in got["cold"]),
                 reused_ttft_s=statistics.median(r.ttft_s for r in got["reused"]),
+                dataset=None if base.gold is None else base.gold.dataset or UNNAMED_DATASET,
             )
         )
     return cases
@@ -159,12 +165,11 @@ def evaluate(cases: Sequence[GateCase], signal: str, threshold: float | None) ->
         (c.reused_ttft_s + c.cold_ttft_s if guard else c.cold_ttft_s) if f else c.reused_ttft_s
         for c, f in zip(cases, flagged, strict=True)
     )
-    scored = [(c, f) for c, f in zip(cases, flagged, strict=True) if c.cold_correct is not None]
-    accuracy = (
-        sum(bool(c.cold_correct if f else c.reused_correct) for c, f in scored) / len(scored)
-        if scored
-        else None
-    )
+    right: dict[str, list[bool]] = defaultdict(list)
+    for c, f in zip(cases, flagged, strict=True):
+        if c.dataset is not None and c.cold_correct is not None:
+            right[c.dataset].append(bool(c.cold_correct if f else c.reused_correct))
+    accuracy = {d: sum(right[d]) / len(right[d]) for d in dataset_order(list(right))}
     return GatePoint(
         signal=signal,
         threshold=threshold,
@@ -226,17 +231,22 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _accuracy(point: GatePoint) -> str:
+    """``boolq 0.750, disflqa 0.500``; ``—`` without gold answers."""
+    return ", ".join(f"{d} {a:.3f}" for d, a in point.accuracy.items()) or "—"
+
+
 def table(cases: Sequence[GateCase]) -> str:
     """A markdown table: per signal, the gate off, then :func:`share_thresholds`."""
     lines = [
         "| signal | threshold | flagged | lost caught (recall) | precision | changed caught "
-        "| accuracy | modelled speed-up |",
+        "| accuracy per dataset | modelled speed-up |",
         "|---|---|---|---|---|---|---|---|",
     ]
     off = evaluate(cases, "residual", None)
     lines.append(
         f"| off | — | 0/{off.cases} | 0/{off.lost} | — | 0/{off.changed} "
-        f"| {_fmt(off.accuracy, '.3f')} | {off.speedup:.2f}× |"
+        f"| {_accuracy(off)} | {off.speedup:.2f}× |"
     )
     for signal in SIGNALS:
         auc = rank_auc(cases, signal)
@@ -246,7 +256,7 @@ def table(cases: Sequence[GateCase]) -> str:
                 f"| {signal} (AUC {_fmt(auc, '.2f')}) | {threshold:.4g} | {p.flagged}/{p.cases} "
                 f"| {p.lost_caught}/{p.lost} ({_fmt(p.recall, '.2f')}) "
                 f"| {_fmt(p.precision, '.2f')} | {p.changed_caught}/{p.changed} "
-                f"| {_fmt(p.accuracy, '.3f')} | {p.speedup:.2f}× |"
+                f"| {_accuracy(p)} | {p.speedup:.2f}× |"
             )
     return "\n".join(lines)
 
@@ -257,7 +267,8 @@ def table(cases: Sequence[GateCase]) -> str:
 @click.option("--workloads", default="", help="Only these workloads (comma-separated).")
 def command(records: tuple[Path, ...], system: str, workloads: str) -> None:
     """Quality gate and post-hoc guard on e2e records: precision/recall of each signal for
-    answers lost against cold, accuracy once flagged probes answer as cold, modelled cost."""
+    answers lost against cold, accuracy per dataset once flagged probes answer as cold,
+    modelled cost."""
     wanted = {w for w in workloads.split(",") if w}
     cases = [
         c
