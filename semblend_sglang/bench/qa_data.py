@@ -99,7 +99,7 @@ def answer_in(answer: str, passage: str) -> bool:
 def qa_items(dataset: str) -> tuple[QAItem, ...]:
     """The usable rows of ``dataset`` (one of :data:`QA_DATASETS`), in file order: every BoolQ
     dev row; the DisflQA rows whose answer is not :data:`UNANSWERABLE` and occurs in their
-    passage (:func:`answer_in`; 657 of 1,000). ValueError for an unknown dataset or a row
+    passage (:func:`answer_in`; 656 of 1,000). ValueError for an unknown dataset or a row
     without the expected fields."""
     if dataset not in DATA_FILES:
         raise ValueError(f"unknown QA dataset {dataset!r}; one of {', '.join(QA_DATASETS)}")
