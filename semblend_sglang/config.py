@@ -57,6 +57,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MODES = ("discovery_only", "exact_spans", "substitute")
+SPARSE_PATHS = ("auto", "split_view", "position_mask")
 EMBEDDERS = ("minilm", "jaccard", "none")
 
 OTHER_SEMBLEND_ENV = frozenset({"SEMBLEND_MODEL_CACHE"})
@@ -220,6 +221,14 @@ class Config:
         "deviation/query: recompute every reused position (declined:quality_gate) when the mean "
         "relative K/V deviation of those left after the budget exceeds this (0: off).",
         minimum=0.0,
+    )
+    sparse_path: str = setting(
+        "auto",
+        "triton: how a batch holding a sparse request is attended: auto (the split view when its "
+        "tile work is no larger, else the position mask), split_view or position_mask (a check "
+        "of one path against the other; the sparse_extend_batches counters show which ran). "
+        "Other backends have one path and ignore it.",
+        choices=SPARSE_PATHS,
     )
     max_spans: int = setting(
         8, "Maximum spans in one plan (1 when strict_prefix_boundary).", minimum=1, maximum=4096

@@ -28,7 +28,7 @@ INTERPRETED = triton_interpreted()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in test_kernel_tests_under_the_interpreter's child process"
 )
-KERNEL_TESTS = 30  # tests the child must pass: 26 needs_interpreter cases + 4 without the mark
+KERNEL_TESTS = 32  # tests the child must pass: 28 needs_interpreter cases + 4 without the mark
 BLOCK = 16  # BLOCK_M = BLOCK_N in the kernel-level tests: queries span several causal tiles
 
 
@@ -193,6 +193,26 @@ def test_real_triton_backend_matches_reference_on_either_path(hooks: Any, seed: 
         forward_batch(batch), hooks.split_view_of(forward_batch(batch)).sequences
     )
     assert (triton.forward_metadata.custom_mask is None) is split
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pinned", ["split_view", "position_mask"])
+def test_a_pinned_sparse_path_runs_whatever_its_tile_work(hooks: Any, pinned: str):
+    """The ``sparse_path`` setting pins triton's path (the any-weights check compares them): the
+    same batch runs split or masked as pinned, each equal to the dense reference; a value that
+    is not a path is refused."""
+    from tests.harness import triton_backend
+
+    batch = random_batch(
+        5, n_requests=3, min_len=40, max_len=96, heads=(4, 2), kinds=("sparse",) * 3
+    )
+    hooks.set_sparse_path(pinned)
+    triton = triton_backend.backend(batch)
+    out = triton_backend.forward(batch, triton=triton)
+    torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
+    assert (triton.forward_metadata.custom_mask is None) is (pinned == "split_view")
+    with pytest.raises(ValueError, match="sparse_path"):
+        hooks.set_sparse_path("dense")
 
 
 def test_few_long_runs_split_and_many_short_runs_mask():

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from semblend_sglang.config import SPARSE_PATHS
 from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
 from semblend_sglang.kernels.sparse_extend_triton import (
@@ -105,6 +106,8 @@ def backend_reuse_reason(backend: str) -> str | None:
 _lock = threading.Lock()
 _originals: dict[str, Originals] = {}
 _every_extend = False
+_sparse_path = "auto"
+"""The ``sparse_path`` setting (:func:`set_sparse_path`)."""
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -300,6 +303,14 @@ def _mask_metadata(backend: Any, forward_batch: Any) -> None:
     backend._semblend_metadata = backend.forward_metadata
 
 
+def _split_chosen(forward_batch: Any, seqs: Any) -> bool:
+    """triton: attend this sparse batch as its split view (else with the position mask): as
+    :func:`set_sparse_path` pinned it, or by :func:`split_is_cheaper` under ``auto``."""
+    if _sparse_path == "auto":
+        return split_is_cheaper(forward_batch, seqs)
+    return _sparse_path == SparsePath.SPLIT_VIEW.value
+
+
 def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
     init_metadata = triton_cls.init_forward_metadata
     init_out_graph = triton_cls.init_forward_metadata_out_graph
@@ -314,7 +325,7 @@ def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
         if not _triton_supported(self):
             raise SparseExtendUnsupported("triton: this backend configuration cannot split")
         seqs = split_view_of(forward_batch).sequences
-        if seqs is not None and split_is_cheaper(forward_batch, seqs):
+        if seqs is not None and _split_chosen(forward_batch, seqs):
             count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
             with scratch_room(self, TRITON_SCRATCH, view.batch_size + 1):
                 return init_metadata(self, view)
@@ -449,12 +460,14 @@ def install_attention_hooks(triton: bool = True, gpu_backends: Iterable[str] | N
 
 
 def remove_attention_hooks() -> None:
-    """Restore every method this module replaced and turn ``every_extend`` off; idempotent."""
+    """Restore every method this module replaced, turn ``every_extend`` off and the sparse path
+    back to ``auto``; idempotent."""
     global _every_extend
     with _lock:
         for name in list(_originals):
             restore(_originals.pop(name))
         _every_extend = False
+    set_sparse_path("auto")
 
 
 def set_query_only_every_extend(on: bool) -> None:
@@ -463,6 +476,16 @@ def set_query_only_every_extend(on: bool) -> None:
     hooks must be installed."""
     global _every_extend
     _every_extend = bool(on)
+
+
+def set_sparse_path(path: str) -> None:
+    """Pin how triton attends a batch holding a sparse request: ``auto`` (by tile work),
+    ``split_view`` or ``position_mask`` (the ``sparse_path`` setting; the scheduler's start-up
+    hook calls it). ValueError on another value. Other backends have one path."""
+    global _sparse_path
+    if path not in SPARSE_PATHS:
+        raise ValueError(f"sparse_path {path!r}: expected one of {SPARSE_PATHS}")
+    _sparse_path = path
 
 
 def query_only_every_extend() -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import check_layer
-from .attention import served_attention_refusal
+from .attention import served_attention_refusal, set_sparse_path
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .request_flow import RequestFlow
 from .server_options import engine_hf_config, unsupported_options
@@ -100,6 +100,7 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
         backend_refusal = flow.guarded("startup", None, None, served_attention_refusal)
         if backend_refusal is not None:
             runtime.note_reuse_off(backend_refusal)
+        flow.guarded("startup", None, None, set_sparse_path, runtime.config.sparse_path)
         hf_config = engine_hf_config(model_config)
         if hf_config is not None:
             flow.guarded("startup", None, None, runtime.use_model_config, hf_config)
