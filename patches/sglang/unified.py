@@ -289,9 +289,10 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 return DonorMatch.missing(Reason.DONOR_EVICTED)
             if on_device > 0:
                 node = found.last_device_node
+                # on the host like the rest of the path (the tree keeps them on the KV device)
                 path = cache.tree_core.collect_full_device_indices(
                     node, cache.root_node_handle(ns.extra_key)
-                )[:on_device].to(torch.int64)
+                )[:on_device].to(device="cpu", dtype=torch.int64)
             if on_device < tree_end:  # a held donor whose head left the tree in part
                 path = torch.cat([path, torch.full((tree_end - on_device,), -1, dtype=torch.int64)])
         if held is not None and donor_end > held.held_from:
