@@ -148,6 +148,24 @@ def parse_lengths(text: str) -> list[int]:
     )
 
 
+def _workload_over_essays(
+    name: str, tokenizer: Any, essays: list[str], fit: int, n_groups: int, seed: int
+) -> Workload:
+    """``build_workload`` over the essays; when a slice fits no single essay (a long context),
+    over the essays joined into texts long enough (:func:`.essay_pool.joined_essays`), said on
+    stderr."""
+    from .builtin_workloads import build_workload
+    from .essay_pool import REFERENCE_TOKENS, EssaysTooShort, joined_essays
+
+    try:
+        return build_workload(name, tokenizer, essays, fit, n_groups, seed)
+    except EssaysTooShort:
+        pass
+    click.echo(f"{name} at {fit} tokens: essays joined (no single essay is long enough)", err=True)
+    joined = joined_essays(tokenizer, essays, fit + REFERENCE_TOKENS + 64)
+    return build_workload(name, tokenizer, joined, fit, n_groups, seed)
+
+
 @click.command("e2e")
 @click.option(
     "--quick",
@@ -255,7 +273,7 @@ def command(
 
     from ..data import essay_texts
     from ..model_prep import prepare_model
-    from .builtin_workloads import build_workload, fitting_length
+    from .builtin_workloads import fitting_length
     from .essay_pool import REFERENCE_TOKENS
     from .workload_file import WorkloadFileError, load_workload_file
 
@@ -302,7 +320,9 @@ def command(
                     err=True,
                 )
             for name in names:
-                workloads.append(build_workload(name, tokenizer, essays, fit, n_groups, seed))
+                workloads.append(
+                    _workload_over_essays(name, tokenizer, essays, fit, n_groups, seed)
+                )
 
     servers: dict[str, Any] = {}
     if not url_map:

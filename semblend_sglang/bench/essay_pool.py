@@ -35,6 +35,10 @@ def _encode_essay(tokenizer: Any, text: str) -> tuple[int, ...]:
     return ids
 
 
+class EssaysTooShort(ValueError):
+    """No essay left in the pool has room for the slice asked for."""
+
+
 @dataclass(frozen=True)
 class EssaySlice:
     """``ids``: tokens ``[start, start + len(ids))`` of essay ``essay``; ``reference``: the
@@ -87,7 +91,28 @@ class EssayPool:
                 ids=ids[start : start + length],
                 reference=ids[start + length : start + need],
             )
-        raise ValueError(
+        raise EssaysTooShort(
             f"not enough essay text for another slice of {length} tokens "
             f"(+{REFERENCE_TOKENS} reference); use fewer groups or shorter contexts"
         )
+
+
+def joined_essays(tokenizer: Any, essays: Sequence[str], tokens: int) -> list[str]:
+    """``essays`` in order, consecutive ones joined by a blank line into texts of at least
+    ``tokens`` tokens each (counted per essay; the last text takes what is left), so that a
+    slice longer than any one essay exists. The e2e job uses it when a workload's slice fits no
+    single essay. ValueError when all of them together are shorter."""
+    out: list[str] = []
+    parts: list[str] = []
+    count = 0
+    for text in essays:
+        parts.append(text)
+        count += len(_encode_essay(tokenizer, text)) + 2
+        if count >= tokens:
+            out.append("\n\n".join(parts))
+            parts, count = [], 0
+    if parts and out:
+        out[-1] = "\n\n".join([out[-1], *parts])
+    if not out:
+        raise ValueError(f"the essays hold fewer than {tokens} tokens together")
+    return out
