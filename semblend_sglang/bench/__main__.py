@@ -56,6 +56,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.gate_eval",
         "Quality gate and post-hoc guard on e2e records: precision/recall for answers lost.",
     ),
+    "any-weights": (
+        "semblend_sglang.bench.any_weights",
+        "Checks that hold for any weights (recompute-all = cold, delta 0, split view = mask).",
+    ),
     "table": (
         "semblend_sglang.bench.e2e_table",
         "e2e JSON reports as one markdown table: recompute strategy x ratio x workload.",

@@ -1,0 +1,51 @@
+"""End to end: the checks that hold for any weights (``bench any-weights``, the GPU kit's stage
+3) on the real SGLang 0.5.23 CPU server, with a random llama3-scaling model (sharp attention,
+logits far apart: tests/harness/random_models.py) served in float32.
+
+The CPU server has torch_native attention, which masks every sparse batch by position, so the
+split-view role is left out here; tests/test_sparse_extend_triton.py pins each triton path on
+the same batch. Each check compares against the cold run or the dense reference of the same
+prompt, and ``paths`` includes a control that shows the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness.random_models import SHAPES, build_random_model
+
+pytestmark = pytest.mark.e2e
+
+
+def test_recompute_all_delta_zero_and_the_mask_hold_on_the_cpu_server(
+    smollm2_model_dir: Path, tmp_path: Path
+) -> None:
+    model = build_random_model(SHAPES["llama3_scaling"], smollm2_model_dir)
+    out = tmp_path / "any-weights"
+    done = subprocess.run(
+        [sys.executable, "-m", "semblend_sglang.bench", "any-weights", "--model-path", str(model)]
+        + ["--roles", "recompute_all,delta_zero,position_mask", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "any-weights.json").read_text())
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {"recompute_all", "delta_zero", "paths"}
+    assert all(r["passed"] for r in results.values())
+    tol = 2e-3
+    every = results["recompute_all"]["detail"]
+    assert every["materialized"] == 1 and every["kept_tokens"] == 0
+    assert every["gap_to_cold"] <= tol
+    same = results["delta_zero"]["detail"]
+    assert same["again_materialized"] == 1 and same["same_ids"] and same["gap_to_first"] <= tol
+    mask = results["paths"]["detail"]["position_mask"]
+    assert mask["batches_on_path"] >= 1 and mask["gap_to_dense_reference"] <= tol
+    assert mask["control_gap_dense_to_cold"] > 10 * tol
