@@ -573,15 +573,39 @@ def test_run_kit_dry_run_prints_each_stage_and_writes_one_tarball(tmp_path: Path
     assert r"vanilla\,exact_spans" in big and "--max-total-tokens --server-arg=98304" in big
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["dry_run"] is True
+    (checks,) = [ln for ln in lines if "dry run: " in ln and "any_weights" in ln]
+    assert "--load-format" not in checks  # the checks serve the random model's own weights
     assert [s["stage"] for s in summary["stages"]] == [
         "setup",
         "0-one-batch",
-        "1-bench-quick",
+        "3-any-weights",
         "2-bench-8b",
+        "1-bench-quick",
     ]
     with tarfile.open(tmp_path / "out" / "gpu-kit-run.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"logs/summary.json", "logs/0-one-batch.cmd", "logs/2-bench-8b.cmd"} <= names
+
+
+def test_run_kit_skips_the_version_checks_the_stand_in_cannot_pass(
+    fake_cuda_report: dict[str, Any],
+) -> None:
+    """Every ``assert_pkg_version`` in the sglang files the server path loads names a package
+    sglang's own SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK skips (the stand-in sgl_kernel has no
+    distribution to check), and run_kit.sh sets that switch; it also selects sglang's Python
+    TreeCore (the bundled Rust one misreads the insert tensors on the host's torch 2.11)."""
+    import re
+
+    from sglang.srt.utils.common import _KERNEL_VERSION_CHECK_PACKAGES
+
+    asked = set()
+    for path in _loaded_sglang_files(fake_cuda_report):
+        asked |= set(re.findall(r'assert_pkg_version\(\s*"([^"]+)"', path.read_text()))
+    assert "sglang-kernel" in asked
+    assert asked <= _KERNEL_VERSION_CHECK_PACKAGES, asked - _KERNEL_VERSION_CHECK_PACKAGES
+    script = RUN_KIT.read_text()
+    assert "export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1" in script
+    assert "export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python" in script
 
 
 def test_run_kit_refuses_a_work_folder_inside_the_repository(tmp_path: Path) -> None:

