@@ -28,8 +28,11 @@ def test_recompute_all_delta_zero_and_the_mask_hold_on_the_cpu_server(
     model = build_random_model(SHAPES["llama3_scaling"], smollm2_model_dir)
     out = tmp_path / "any-weights"
     done = subprocess.run(
-        [sys.executable, "-m", "semblend_sglang.bench", "any-weights", "--model-path", str(model)]
-        + ["--roles", "recompute_all,delta_zero,position_mask", "--out", str(out)],
+        [
+            *(sys.executable, "-m", "semblend_sglang.bench", "any-weights"),
+            *("--model-path", str(model), "--out", str(out)),
+            *("--roles", "recompute_all,delta_zero,position_mask"),
+        ],
         capture_output=True,
         text=True,
         timeout=1200,
