@@ -2,15 +2,16 @@
 3) on the real SGLang 0.5.23 CPU server, with a random llama3-scaling model (sharp attention,
 logits far apart: tests/harness/random_models.py) served in float32.
 
-The CPU server has torch_native attention, which masks every sparse batch by position, so the
-split-view role is left out here; tests/test_sparse_extend_triton.py pins each triton path on
-the same batch. Each check compares against the cold run or the dense reference of the same
-prompt, and ``paths`` includes a control that shows the comparison can fail.
+The CPU server's torch_native attention masks every sparse batch by position, so the split view
+is checked on a second server with triton attention, its kernels run by the Triton interpreter.
+Each check compares against the cold run or the dense reference of the same prompt, and
+``paths`` includes a control that shows the comparison can fail.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,37 @@ def test_recompute_all_delta_zero_and_the_mask_hold_on_the_cpu_server(
     mask = results["paths"]["detail"]["position_mask"]
     assert mask["batches_on_path"] >= 1 and mask["gap_to_dense_reference"] <= tol
     assert mask["control_gap_dense_to_cold"] > 10 * tol
+
+
+def test_the_split_view_and_the_mask_equal_the_dense_reference_on_an_interpreted_triton_server(
+    smollm2_model_dir: Path, tmp_path: Path
+) -> None:
+    """The GPU path on CPU: the real server with ``--attention-backend triton`` and sglang's
+    Triton kernels run by the Triton interpreter (a stand-in for their compiled CUDA form, same
+    kernel source). A sparse hit after the check layer, attended as its split view and with the
+    position mask, equals its dense reference. This is where the first GPU run died: the check
+    layer rebuilt no metadata for the shrunk batch (sglang keeps the backend in its forward
+    context), so the kernel read the full batch's offsets for the shrunk rows."""
+    model = build_random_model(SHAPES["llama3_scaling"], smollm2_model_dir)
+    out = tmp_path / "any-weights"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "semblend_sglang.bench", "any-weights"),
+            *("--model-path", str(model), "--out", str(out), "--passage-tokens", "300"),
+            *("--roles", "split_view,position_mask"),
+            *("--server-arg=--attention-backend", "--server-arg=triton"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=tmp_path,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (paths,) = json.loads((out / "any-weights.json").read_text())["results"]
+    assert paths["name"] == "paths" and paths["passed"]
+    detail = paths["detail"]
+    for path in ("split_view", "position_mask"):
+        assert detail[path]["batches_on_path"] >= 1
+        assert detail[path]["gap_to_dense_reference"] <= 2e-3
+    assert detail["gap_between_paths"] <= 2e-3

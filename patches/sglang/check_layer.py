@@ -280,6 +280,9 @@ class LayerHook:
         assert keep is not None
         if bool(keep.all()):
             return out
+        backend = attention_backend(forward_batch)
+        if backend is None:  # before any change: the later layers then compute every row
+            raise RuntimeError("no attention backend to rebuild the shrunk batch's metadata")
         index = torch.nonzero(keep).flatten()
         out = _shrink_hidden(out, index, forward_batch)
         counts = []
@@ -289,9 +292,7 @@ class LayerHook:
             start += length
         _shrink_batch(forward_batch, index, positions, check.extend_lens, counts)
         check.positions = forward_batch.positions
-        backend = getattr(forward_batch, "attn_backend", None)
-        if backend is not None:
-            backend.init_forward_metadata(forward_batch)
+        backend.init_forward_metadata(forward_batch)
         return out
 
     def _force(
@@ -309,6 +310,20 @@ class LayerHook:
 
 
 # -------------------------------------------------------------------------- helpers
+def attention_backend(forward_batch: Any) -> Any | None:
+    """The attention backend running ``forward_batch``'s forward, whose metadata the shrink
+    rebuilds: sglang 0.5.22+ keeps it in the forward context (``get_attn_backend``), not on
+    the batch; None when there is neither. A backend that builds its metadata once per forward
+    (triton, fa3, flashinfer) would otherwise attend the shrunk rows with the full batch's."""
+    try:
+        from sglang.srt.model_executor import forward_context
+    except ImportError:
+        forward_context = None  # type: ignore[assignment]
+    if forward_context is not None and forward_context.has_forward_context():
+        return forward_context.get_attn_backend()
+    return getattr(forward_batch, "attn_backend", None)
+
+
 def _request_starts(check: _ForwardCheck) -> list[int]:
     """The first row of each of the batch's requests in the forward of ``check`` (before the
     check layer), by request index."""
