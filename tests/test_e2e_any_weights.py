@@ -23,25 +23,35 @@ from tests.harness.random_models import SHAPES, build_random_model
 pytestmark = pytest.mark.e2e
 
 
-def test_recompute_all_delta_zero_and_the_mask_hold_on_the_cpu_server(
-    smollm2_model_dir: Path, tmp_path: Path
-) -> None:
+def _checks(
+    smollm2_model_dir: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> dict[str, dict]:
+    """``bench any-weights`` on the random llama3-scaling model with ``args`` (and ``env`` over
+    this process's); asserts it exited 0 and returns its results by check name."""
     model = build_random_model(SHAPES["llama3_scaling"], smollm2_model_dir)
     out = tmp_path / "any-weights"
     done = subprocess.run(
         [
             *(sys.executable, "-m", "semblend_sglang.bench", "any-weights"),
-            *("--model-path", str(model), "--out", str(out)),
-            *("--roles", "recompute_all,delta_zero,position_mask"),
+            *("--model-path", str(model), "--out", str(out), *args),
         ],
         capture_output=True,
         text=True,
         timeout=1200,
         cwd=tmp_path,
+        env=None if env is None else {**os.environ, **env},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "any-weights.json").read_text())
-    results = {r["name"]: r for r in report["results"]}
+    return {r["name"]: r for r in report["results"]}
+
+
+def test_recompute_all_delta_zero_and_the_mask_hold_on_the_cpu_server(
+    smollm2_model_dir: Path, tmp_path: Path
+) -> None:
+    results = _checks(
+        smollm2_model_dir, tmp_path, "--roles", "recompute_all,delta_zero,position_mask"
+    )
     assert set(results) == {"recompute_all", "delta_zero", "paths"}
     assert all(r["passed"] for r in results.values())
     tol = 2e-3
@@ -64,23 +74,13 @@ def test_the_split_view_and_the_mask_equal_the_dense_reference_on_an_interpreted
     position mask, equals its dense reference. This is where the first GPU run died: the check
     layer rebuilt no metadata for the shrunk batch (sglang keeps the backend in its forward
     context), so the kernel read the full batch's offsets for the shrunk rows."""
-    model = build_random_model(SHAPES["llama3_scaling"], smollm2_model_dir)
-    out = tmp_path / "any-weights"
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "semblend_sglang.bench", "any-weights"),
-            *("--model-path", str(model), "--out", str(out), "--passage-tokens", "300"),
-            *("--roles", "split_view,position_mask"),
-            *("--server-arg=--attention-backend", "--server-arg=triton"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=tmp_path,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (paths,) = json.loads((out / "any-weights.json").read_text())["results"]
+    (paths,) = _checks(
+        smollm2_model_dir,
+        tmp_path,
+        *("--passage-tokens", "300", "--roles", "split_view,position_mask"),
+        *("--server-arg=--attention-backend", "--server-arg=triton"),
+        env={"TRITON_INTERPRET": "1"},
+    ).values()
     assert paths["name"] == "paths" and paths["passed"]
     detail = paths["detail"]
     for path in ("split_view", "position_mask"):

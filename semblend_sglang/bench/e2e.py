@@ -160,10 +160,11 @@ def _workload_over_essays(
     try:
         return build_workload(name, tokenizer, essays, fit, n_groups, seed)
     except EssaysTooShort:
-        pass
-    click.echo(f"{name} at {fit} tokens: essays joined (no single essay is long enough)", err=True)
-    joined = joined_essays(tokenizer, essays, fit + REFERENCE_TOKENS + 64)
-    return build_workload(name, tokenizer, joined, fit, n_groups, seed)
+        click.echo(
+            f"{name} at {fit} tokens: essays joined (no single essay is long enough)", err=True
+        )
+        joined = joined_essays(tokenizer, essays, fit + REFERENCE_TOKENS + 64)
+        return build_workload(name, tokenizer, joined, fit, n_groups, seed)
 
 
 @click.command("e2e")

@@ -20,7 +20,7 @@ import click
 
 from .e2e_runner import ProbeRecord
 from .e2e_summary import qa_columns, qa_lines, row_name
-from .report import qa_cell_values, ratio_label
+from .report import QA_COLUMNS, qa_cell_values, ratio_label
 
 MARGIN_KEY = "exact_spans_divergence_margin"
 
@@ -44,18 +44,16 @@ TTFT p50 in ms; ``spans / exact`` and ``speed-up``: medians of per-probe paired 
 divergence``: median over the hits that part from cold of the cold run's top-1 / top-2 logprob
 margin where they part (``—``: none parts; ``?``: some part, but the report has no margins)."""
 
-QA_MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("n", "n", "s"),
-    ("cold acc", "cold_accuracy", ".2f"),
-    ("cold EM", "cold_em", ".2f"),
-    ("cold F1", "cold_f1", ".2f"),
-    ("acc", "accuracy", ".2f"),
-    ("EM", "em", ".2f"),
-    ("F1", "f1", ".2f"),
-    ("answer = cold", "agreement", ".2f"),
-    ("greedy agree", "greedy_agreement", ".2f"),
-    ("b / c", "b_c", "s"),
-    ("McNemar p", "mcnemar_p", ".3g"),
+QA_MARKDOWN_HEADERS = {
+    "=cold": "answer = cold",
+    "agree": "greedy agree",
+    "b/c": "b / c",
+    "p": "McNemar p",
+}
+"""Markdown headers of the console's short ones (the others are the same)."""
+
+QA_MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = tuple(
+    (QA_MARKDOWN_HEADERS.get(head, head), key, spec) for head, key, spec in QA_COLUMNS
 )
 """The QA table's columns after the settings, workload, context length, dataset and system:
 (header, key of :func:`.report.qa_cell_values`, format); see :data:`.report.QA_TABLE_LEGEND`."""
