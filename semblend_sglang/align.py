@@ -225,6 +225,18 @@ def _free_pieces(
     return pieces
 
 
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    """What :func:`measured_align` found and spent: ``spans`` as :func:`align` returns them,
+    ``pair_work`` (the anchor-pair units spent, see
+    :class:`~semblend_sglang.anchors.AnchorPairs`) and ``diagonals`` (the shifts compared).
+    Neither count exceeds the limits the alignment ran under."""
+
+    spans: tuple[Span, ...]
+    pair_work: int
+    diagonals: int
+
+
 def align(
     target: np.ndarray,
     donor: np.ndarray,
@@ -240,28 +252,50 @@ def align(
     ``target_anchors``: :func:`anchors_of` the target for ``min_length``, to reuse across donors.
     Pure; never mutates its inputs.
     """
+    return measured_align(
+        target, donor, min_length=min_length, limits=limits, target_anchors=target_anchors
+    ).spans
+
+
+def measured_align(
+    target: np.ndarray,
+    donor: np.ndarray,
+    *,
+    min_length: int = 32,
+    limits: AlignLimits = AlignLimits(),
+    target_anchors: Anchors | None = None,
+) -> Alignment:
+    """:func:`align`, with the work it spent (for a lookup budget that charged the limits up
+    front and refunds what went unused). Pure; never mutates its inputs."""
     if min_length < 1:
         raise ValueError(f"min_length must be >= 1, got {min_length}")
     target = np.asarray(target)
     donor = np.asarray(donor)
     if target.size < min_length or donor.size < min_length:
-        return ()
+        return Alignment((), 0, 0)
     if target_anchors is None or target_anchors.min_length != min_length:
         target_anchors = anchors_of(target, min_length)
     donor_kgrams = kgram_hashes(None, target_anchors.k, token_prefix(donor))
-    t_pos, d_pos = anchor_pairs(
+    pairs = anchor_pairs(
         target_anchors,
         donor_kgrams,
         max_pairs=limits.max_anchor_pairs,
         max_shared_probes=limits.max_shared_probes,
     )
-    heap = _diagonal_runs(target, donor, _diagonals(t_pos, d_pos, limits), min_length)
+    diags = _diagonals(pairs.target_positions, pairs.donor_positions, limits)
+    heap = _diagonal_runs(target, donor, diags, min_length)
+    return Alignment(_greedy(heap, min_length), pairs.pair_work, int(diags.size))
+
+
+def _greedy(heap: list[tuple[int, int, int]], min_length: int) -> tuple[Span, ...]:
+    """The greedy longest-first selection over runs ``(-length, target_start, donor_start)``
+    (consumed), sorted by target start."""
     if not heap:
         return ()
-    spans: list[Span] = []
     if len(heap) == 1:
         neg_len, i, j = heap[0]
         return (Span(i, j, -neg_len),)
+    spans: list[Span] = []
     heapq.heapify(heap)
     t_used = _Used()
     d_used = _Used()

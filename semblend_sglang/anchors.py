@@ -99,20 +99,32 @@ def anchors_of(
     return Anchors(min_length, k, stride, values, table, shift, check, bool(lost.size))
 
 
+@dataclass(frozen=True, slots=True)
+class AnchorPairs:
+    """What :func:`anchor_pairs` found: the pairs as parallel position arrays, and
+    ``pair_work``, the pair units it spent (pairs listed plus donor positions probed in buckets
+    of several anchors; ``max_pairs`` whenever that cap applied), which a work budget charged
+    per pair may refund down to."""
+
+    target_positions: np.ndarray
+    donor_positions: np.ndarray
+    pair_work: int
+
+
 def anchor_pairs(
     anchors: Anchors,
     donor_kgrams: np.ndarray,
     *,
     max_pairs: int | None,
     max_shared_probes: int | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(target positions, donor positions) of the pairs of equal k-gram hashes between
-    ``anchors`` and ``donor_kgrams`` (the donor's k-gram hash at each position, k =
-    ``anchors.k``). ``max_pairs`` and ``max_shared_probes`` bound the work as
-    :class:`~semblend_sglang.align.AlignLimits` describes (``None``: every pair)."""
+) -> AnchorPairs:
+    """The pairs of equal k-gram hashes between ``anchors`` and ``donor_kgrams`` (the donor's
+    k-gram hash at each position, k = ``anchors.k``). ``max_pairs`` and ``max_shared_probes``
+    bound the work as :class:`~semblend_sglang.align.AlignLimits` describes (``None``: every
+    pair)."""
     empty = np.empty(0, dtype=np.int64)
     if anchors.hashes.size == 0 or donor_kgrams.size == 0:
-        return empty, empty
+        return AnchorPairs(empty, empty, 0)
     # hot path: ndarray methods and ufuncs only (numpy's Python-level helpers cost more)
     slot = anchors._table[(donor_kgrams >> _U64(anchors._shift)).view(np.int64)]
     cand = (slot != 0).nonzero()[0]  # (a bool mask has numpy's fast nonzero)
@@ -122,11 +134,13 @@ def anchor_pairs(
     d_pos = cand[hit]
     t_idx = code[hit].astype(np.int64)
     t_idx -= 1
+    probes = 0
     if anchors._shared:
         shared = (code < 0).nonzero()[0]
         cap = max_shared_probes
         if cap is not None and shared.size > cap:
             shared = shared[:: -(-shared.size // cap)]  # evenly spaced, deterministic
+        probes = int(shared.size)
         if shared.size:
             s_probe, s_pos = probe[shared], cand[shared]
             m = anchors.hashes.size
@@ -138,14 +152,17 @@ def anchor_pairs(
             else:
                 ranges = _SortedAnchors(anchors, s_probe)
                 if max_pairs is not None and d_pos.size + ranges.total > max_pairs:
-                    return _limited_pairs(anchors, t_idx, d_pos, ranges, s_pos, max_pairs)
+                    t_pos, d_kept = _limited_pairs(anchors, t_idx, d_pos, ranges, s_pos, max_pairs)
+                    return AnchorPairs(t_pos, d_kept, max_pairs)
                 d_more, t_more = ranges.expand(s_pos)
                 d_pos = np.concatenate([d_pos, d_more])
                 t_idx = np.concatenate([t_idx, t_more])
     if max_pairs is not None and d_pos.size > max_pairs:
-        return _limited_pairs(anchors, t_idx, d_pos, None, empty, max_pairs)
+        t_pos, d_kept = _limited_pairs(anchors, t_idx, d_pos, None, empty, max_pairs)
+        return AnchorPairs(t_pos, d_kept, max_pairs)
     t_idx *= anchors.stride
-    return t_idx, d_pos
+    work = int(d_pos.size) + probes
+    return AnchorPairs(t_idx, d_pos, work if max_pairs is None else min(work, max_pairs))
 
 
 class _SortedAnchors:

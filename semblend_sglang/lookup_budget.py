@@ -5,12 +5,16 @@ prompt, one token repeated, a chunk shared with a thousand donors). Tensor-paral
 also decide alike (no timing in a decision), so the budget is counted, deterministically, in
 work units that approximate nanoseconds on this project's reference CPU: ``lookup_budget_ms``
 milliseconds are ``lookup_budget_ms * WORK_UNITS_PER_MS`` units, and each step of a lookup is
-charged its worst-case cost before it runs. A lookup whose next step does not fit stops there:
-with no plan yet, the request goes on cold (``lookup_budget``, counted); otherwise the plan found
-so far stands.
+charged its worst-case cost before it runs; an alignment, charged for the most anchor pairs and
+diagonals it may use, is refunded what it did not use once it ran (its counts are deterministic),
+so that later donors of the same lookup are not starved by a reservation. A lookup whose next step
+does not fit stops there: with no plan yet, the request goes on cold (``lookup_budget``,
+counted); otherwise the plan found so far stands.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 WORK_UNITS_PER_MS = 1_000_000
 """Work units in one millisecond of the reference CPU (one unit is about a nanosecond). The
@@ -35,6 +39,16 @@ POSTING_UNITS = 2
 ANCHOR_PAIR_UNITS = 150
 """Units per (target anchor, donor position) pair an alignment expands and sorts, and per donor
 position it probes in a bucket of several target anchors (the two are capped alike)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AlignCharge:
+    """What :meth:`LookupBudget.align_limits` charged for one alignment: at most ``pairs``
+    anchor pairs and ``diagonals`` diagonals of ``per_diagonal`` units each."""
+
+    pairs: int
+    diagonals: int
+    per_diagonal: int
 
 
 class LookupBudget:
@@ -62,8 +76,8 @@ class LookupBudget:
 
     def align_limits(
         self, target_tokens: int, donor_tokens: int, max_pairs: int, max_diagonals: int
-    ) -> tuple[int, int] | None:
-        """(anchor pairs, diagonals) an alignment of a ``target_tokens`` region with a
+    ) -> AlignCharge | None:
+        """The anchor pairs and diagonals an alignment of a ``target_tokens`` region with a
         ``donor_tokens`` donor may use (at most ``max_pairs`` and ``max_diagonals``), charged:
         the donor's k-grams first, then half of what is left for anchor pairs and the rest for
         diagonals. None (nothing charged) when not even one pair and one diagonal fit."""
@@ -78,4 +92,12 @@ class LookupBudget:
         if diagonals < 1:
             return None
         self.remaining -= fixed + pairs * ANCHOR_PAIR_UNITS + diagonals * per_diagonal
-        return pairs, diagonals
+        return AlignCharge(pairs, diagonals, per_diagonal)
+
+    def refund_alignment(self, charge: AlignCharge, pair_work: int, diagonals: int) -> None:
+        """Give back the part of ``charge`` an alignment did not use: it spent ``pair_work``
+        pair units and compared ``diagonals`` diagonals (each counted at most up to what was
+        charged, so a refund never exceeds the charge)."""
+        unused_pairs = charge.pairs - min(max(pair_work, 0), charge.pairs)
+        unused_diagonals = charge.diagonals - min(max(diagonals, 0), charge.diagonals)
+        self.remaining += unused_pairs * ANCHOR_PAIR_UNITS + unused_diagonals * charge.per_diagonal

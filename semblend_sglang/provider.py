@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .align import AlignLimits, Anchors, Span, align, anchors_of
+from .align import AlignLimits, Anchors, Span, anchors_of, measured_align
 from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
 from .config import Config
 from .decisions import MAX_CACHED_REQUESTS, RequestDecisions
@@ -243,13 +243,11 @@ class SemanticProvider:
                 if first_decline is None:
                     first_decline = Decision.decline(Reason.DONOR_EVICTED)
                 continue
-            limits = self._align_limits(budget, region, donor)
-            if limits is None:
+            found = self._budgeted_align(budget, region, donor, anchors)
+            if found is None:
                 first_decline = first_decline or Decision.decline(Reason.LOOKUP_BUDGET)
                 break
-            decision = self._plan_for(
-                tokens, region, anchors, exact_len, page_size, cand, donor, limits
-            )
+            decision = self._plan_for(tokens, exact_len, page_size, cand, donor, found)
             if decision.kind == "plan":
                 if config.discovery_only:
                     return Decision.decline(Reason.DISCOVERY_ONLY, evidence=decision.plan)
@@ -293,17 +291,10 @@ class SemanticProvider:
             if donor is None:
                 evicted = True
                 continue
-            limits = self._align_limits(budget, region, donor)
-            if limits is None:
+            spans = self._budgeted_align(budget, region, donor, anchors)
+            if spans is None:
                 spent = True
                 break
-            spans = align(
-                region,
-                donor,
-                min_length=config.min_span_tokens,
-                target_anchors=anchors,
-                limits=limits,
-            )
             new = [s for s in spans if not covered[s.target_start : s.target_end].all()]
             if not new:
                 continue
@@ -341,22 +332,34 @@ class SemanticProvider:
             self.index.touch(handle)
         return decision
 
-    @staticmethod
-    def _align_limits(
-        budget: LookupBudget, region: np.ndarray, donor: np.ndarray
-    ) -> AlignLimits | None:
-        """The alignment limits the remaining budget affords against ``donor`` (charged), or
-        None when not even one diagonal fits."""
+    def _budgeted_align(
+        self, budget: LookupBudget, region: np.ndarray, donor: np.ndarray, anchors: Anchors
+    ) -> tuple[Span, ...] | None:
+        """Align ``region`` with ``donor`` within the limits the remaining budget affords
+        (charged up front, the unused part refunded after), or None (nothing charged) when not
+        even one diagonal fits."""
         default = AlignLimits()
-        fit = budget.align_limits(
+        charge = budget.align_limits(
             int(region.size),
             int(donor.size),
             default.max_anchor_pairs or 1,
             default.max_diagonals or 1,
         )
-        if fit is None:
+        if charge is None:
             return None
-        return AlignLimits(max_anchor_pairs=fit[0], max_diagonals=fit[1], max_shared_probes=fit[0])
+        found = measured_align(
+            region,
+            donor,
+            min_length=self.config.min_span_tokens,
+            target_anchors=anchors,
+            limits=AlignLimits(
+                max_anchor_pairs=charge.pairs,
+                max_diagonals=charge.diagonals,
+                max_shared_probes=charge.pairs,
+            ),
+        )
+        budget.refund_alignment(charge, found.pair_work, found.diagonals)
+        return found.spans
 
     def _live_donor_tokens(self, cand: Candidate, alive: DonorAlive | None) -> np.ndarray | None:
         """The candidate's tokens whose KV the engine still holds, or None (and the donor
@@ -384,18 +387,13 @@ class SemanticProvider:
     def _plan_for(
         self,
         tokens: np.ndarray,
-        region: np.ndarray,
-        anchors: Anchors,
         exact_len: int,
         page_size: int,
         cand: Candidate,
         donor: np.ndarray,
-        limits: AlignLimits,
+        found: tuple[Span, ...],
     ) -> Decision:
         config = self.config
-        found = align(
-            region, donor, min_length=config.min_span_tokens, target_anchors=anchors, limits=limits
-        )
         spans = (
             tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
             if exact_len

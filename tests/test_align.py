@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semblend_sglang.align import UNBOUNDED, AlignLimits, Span, align
+from semblend_sglang.align import UNBOUNDED, AlignLimits, Span, align, measured_align
 from semblend_sglang.anchors import anchor_geometry, anchors_of
 from semblend_sglang.chunking import token_prefix
 
@@ -153,6 +153,25 @@ def test_repetitive_input_is_bounded_and_still_exact() -> None:
             target[s.target_start : s.target_end], donor[s.donor_start : s.donor_end]
         )
     assert max(s.length for s in spans) == 2000
+    measured = measured_align(target, donor, min_length=32, limits=limits)
+    assert measured.spans == spans
+    assert measured.pair_work == 10000 and measured.diagonals == 8  # both caps bind
+
+
+def test_measured_work_of_real_text_is_what_it_listed(essay_ids: np.ndarray) -> None:
+    """On real text an alignment uses a small part of its limits, and says so: its pair work is
+    the anchor pairs it found (no bucket holds two anchors' worth of probes here) and its
+    diagonals the distinct shifts of those pairs; the spans are :func:`align`'s."""
+    target = np.concatenate([essay_ids[5000:6000], essay_ids[:3000]])
+    donor = essay_ids[:4000]
+    limits = AlignLimits(max_anchor_pairs=65536, max_diagonals=256)
+    measured = measured_align(target, donor, min_length=32, limits=limits)
+    assert measured.spans == align(target, donor, min_length=32, limits=limits)
+    assert measured.spans and measured.spans[0].target_start == 1000
+    assert 0 < measured.pair_work < 65536 // 4 and 1 <= measured.diagonals < 256 // 4
+    tight = AlignLimits(max_anchor_pairs=8, max_diagonals=1)
+    capped = measured_align(target, donor, min_length=32, limits=tight)
+    assert capped.pair_work <= 8 and capped.diagonals <= 1
 
 
 def test_span_geometry() -> None:

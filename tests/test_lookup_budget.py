@@ -20,6 +20,7 @@ from semblend_sglang.lookup_budget import (
     ANCHOR_PAIR_UNITS,
     DONOR_UNITS_PER_TOKEN,
     WORK_UNITS_PER_MS,
+    AlignCharge,
     LookupBudget,
 )
 from semblend_sglang.lookup_params import LookupParams
@@ -40,15 +41,31 @@ def test_charge_spends_only_what_fits() -> None:
 
 def test_alignment_limits_shrink_with_what_is_left() -> None:
     budget = LookupBudget(1000.0)
-    assert budget.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) == (65536, 256)
+    charge = budget.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256)
+    assert charge == AlignCharge(65536, 256, 1000)
     spent = budget.total - budget.remaining
     assert spent == DONOR_UNITS_PER_TOKEN * 1000 + 65536 * ANCHOR_PAIR_UNITS + 256 * 1000
     small = LookupBudget(0.1)  # donor k-grams first, then half of what is left for pairs
     left = small.total - DONOR_UNITS_PER_TOKEN * 1000
-    pairs, diagonals = small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) or (0, 0)
-    assert pairs == (left // 2) // ANCHOR_PAIR_UNITS and 1 <= diagonals <= 256
+    fit = small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256)
+    assert fit is not None
+    assert fit.pairs == (left // 2) // ANCHOR_PAIR_UNITS and 1 <= fit.diagonals <= 256
     assert 0 <= small.remaining < 1000
     assert small.align_limits(1000, 1000, max_pairs=65536, max_diagonals=256) is None
+
+
+def test_an_alignment_is_refunded_what_it_did_not_use_and_never_more() -> None:
+    budget = LookupBudget(1000.0)
+    charge = budget.align_limits(800, 1000, max_pairs=500, max_diagonals=20)
+    assert charge == AlignCharge(500, 20, 800)
+    after_charge = budget.remaining
+    budget.refund_alignment(charge, pair_work=120, diagonals=3)
+    assert budget.remaining - after_charge == 380 * ANCHOR_PAIR_UNITS + 17 * 800
+    fully_used = budget.remaining
+    budget.refund_alignment(charge, pair_work=10**9, diagonals=10**9)  # counts above the charge
+    assert budget.remaining == fully_used
+    budget.refund_alignment(charge, pair_work=-5, diagonals=-5)  # refunds at most the charge
+    assert budget.remaining - fully_used == 500 * ANCHOR_PAIR_UNITS + 20 * 800
 
 
 class _Recording(LookupBudget):
@@ -148,3 +165,30 @@ def test_a_spent_budget_keeps_the_plan_found_so_far() -> None:
     assert decision.kind == "plan"
     assert sum(s.length for s in decision.plan.spans) >= 11_000
     _check_plan(stream, provider, decision)
+
+
+def test_three_donors_of_8k_real_text_are_all_aligned_within_the_default_budget(
+    smollm2_tokenizer: Any, essay_texts: list[str]
+) -> None:
+    """rag_corpus at 8,112 tokens (real essays): each of the probe's four passages sits whole in
+    one of three donors, and no donor holds all four. Within the default 5 ms budget the plan
+    reuses >= 85% of the probe from >= 2 donors: the first alignment, charged for its most
+    pairs and diagonals, must give back what it did not use, or the next donors never fit."""
+    from semblend_sglang.bench.builtin_workloads import build_workload
+
+    workload = build_workload("rag_corpus", smollm2_tokenizer, essay_texts, 8112, 2, seed=0)
+    for group in workload.groups:
+        provider = SemanticProvider(Config(), registry=CollectorRegistry())
+        donors = [r for r in group.requests if r.role == "donor"]
+        (probe,) = [r for r in group.requests if r.role == "probe"]
+        for handle, donor in enumerate(donors):
+            provider.register(NS, handle, donor.prompt_ids)
+        decision = provider.lookup(LookupParams(NS, probe.prompt_ids, 0, None))
+        assert decision.kind == "plan", decision.reason
+        plan = decision.plan
+        assert plan.reused_tokens >= 0.85 * len(probe.prompt_ids), plan.reused_tokens
+        assert len(plan.donors) >= 2 and len(plan.spans) == 4
+        for i, span in enumerate(plan.spans):
+            donor_ids = np.asarray(donors[plan.donor_of(i)].prompt_ids)
+            target = np.asarray(probe.prompt_ids)[span.target_start : span.target_end]
+            assert np.array_equal(target, donor_ids[span.donor_start : span.donor_end])
