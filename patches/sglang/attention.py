@@ -14,16 +14,15 @@ sparse request as its own extend sequence). Batches without a sparse request are
 - torch_native: a batch holding a sparse request runs :func:`extend_attention_query_only` on
   the real batch (SGLang's ``forward_extend`` with its SDPA call replaced), which masks by
   position itself. SGLang's own SDPA extend would carry the split view correctly (it writes the
-  pass's KV first), but it loops over sequences: on the CPU server it was 1.2-1.7x slower with
-  a few long runs and 6-54x with a deviation repair's scattered ones (docs/perf.md). With the
-  CPU runtime's query-only extend on (:func:`install_cpu_query_only_extend`), every extend batch
-  runs the query-only extend.
+  pass's KV first), but it loops over sequences, one per run, which is slower (docs/perf.md,
+  "Split view on the CPU server: torch_native"). With the CPU runtime's query-only extend on
+  (:func:`install_cpu_query_only_extend`), every extend batch runs the query-only extend.
 - triton: ``init_forward_metadata`` and ``forward_extend`` get the split view (the kernel saves
   the pass's KV before it reads the prefix) when it costs no more tile work than one
   position-masked pass per request (:func:`.split_view.split_is_cheaper`); otherwise SGLang's
   metadata for the real batch is replaced by :func:`build_sparse_extend_metadata`'s and the
   kernel runs with ``skip_prefix_custom_mask=False``. Many short runs make the split view slow
-  (each run reads its whole prefix again): measured on an H200, docs/perf.md.
+  (each run reads its whole prefix again; docs/perf.md, "Split view on a GPU").
 - fa3 (:mod:`.attention_fa3`), flashinfer and trtllm_mha (:mod:`.attention_flashinfer`; a
   flashinfer batch holding a sparse request is planned on its paged path, never the ragged one):
   the split view through their own metadata and kernel call, at every page size.
@@ -183,8 +182,8 @@ def _torch_native_wrappers(native: type) -> dict[tuple[type, str], Any]:
         self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
     ) -> Any:
         # A batch holding a sparse request always runs query-only: SGLang's SDPA extend loops
-        # over sequences, so over the split view it was 1.2-1.7x slower with a few long runs
-        # and 6-54x with a repair's scattered ones (the CPU server, docs/perf.md).
+        # over sequences, so the split view is slower (docs/perf.md, "Split view on the CPU
+        # server: torch_native").
         if _every_extend or is_sparse_batch(forward_batch):
             return query_only(self, q, k, v, layer, forward_batch, *args, **kw)
         return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)

@@ -242,8 +242,7 @@ def tile_work(extend: list[int], seq: list[int]) -> int:
 def split_is_cheaper(forward_batch: Any, seqs: SplitSequences) -> bool:
     """Whether the split view's sequences cost no more tile work than the real batch's requests
     run with a position mask (one sequence per request): the choice a backend that has both
-    paths (triton) makes per batch. On an H200 the split view was up to 3.5x faster with 4-16
-    runs per request and up to 6x slower with 256 (docs/perf.md, "Split view on a GPU")."""
+    paths (triton) makes per batch (docs/perf.md, "Split view on a GPU")."""
     lens = batch_lens(forward_batch)
     if lens is None:
         return True
