@@ -57,8 +57,8 @@ def window_bounds(n: int, window: int, stride: int) -> list[tuple[int, int]]:
 class WindowedEmbedder:
     """Embeds whole texts with a sentence-transformers model, window by window (thread-safe).
 
-    ``model``: a loaded ``SentenceTransformer``. Each call costs one forward pass per window (on
-    CPU about 100 ms for a few thousand tokens): never call it on a latency-critical path.
+    ``model``: a loaded ``SentenceTransformer``. Each call costs one forward pass per window:
+    never call it on a latency-critical path.
     """
 
     def __init__(
