@@ -1,6 +1,6 @@
 """Per-process semblend state shared by the SGLang hooks: the provider, the donor registry, the
-counters and the settings learned at start-up. Per-request state is the request flow's
-(:mod:`.request_flow`).
+counters and the settings learned at start-up. A request's reuse state is the request flow's
+(:mod:`.request_flow`), but for the two things :class:`SemblendRuntime` keeps by request id.
 
 One :class:`SemblendRuntime` per scheduler process (TP ranks each have their own and, fed the same
 calls, decide the same). It imports no sglang module; the adapter passes sglang objects in.
@@ -48,8 +48,10 @@ class SemblendRuntime:
     """Holds one scheduler process's provider, donor registry, counters and the settings learned
     at start-up.
 
-    The request flow and the hooks call it; it holds no request's state (the request flow
-    does). :meth:`log_failure` logs an error once per place and exception type.
+    The request flow and the hooks call it. By request id it keeps only a live donor's handle
+    and (in the provider) a request's first decision, until :meth:`release_donor` at the
+    request's end; the rest of a request's reuse state is the request flow's.
+    :meth:`log_failure` logs an error once per place and exception type.
     """
 
     def __init__(self, config: Config, *, registry: Any = None) -> None:
