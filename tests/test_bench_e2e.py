@@ -223,6 +223,30 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     assert all(b > 500_000_000 for b in report["server_peak_rss_bytes"].values())
 
 
+def test_the_reorder_system_hits_sglang_exact_prefix_cache(
+    tmp_path: Path, smollm2_model_dir: Path
+) -> None:
+    """The lossless anchor on the real CPU server: vanilla SGLang, after the donor, sent the
+    qa_rag probe with its passages in the donor's order, so SGLang's own exact prefix cache
+    serves every passage; its answer is scored and paired with the cold run of the original
+    prompt."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "semblend_sglang.bench", "--quick", "--repeats", "1"]
+    cmd += ["--workloads", "qa_rag", "--systems", "vanilla,reorder"]
+    cmd += ["--model-path", str(smollm2_model_dir), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "e2e.json").read_text())
+    (row,) = report["summary"]
+    runs = [r for r in report["records"] if r["system"] == "reorder"]
+    assert [r["kind"] for r in runs] == ["reordered"] and len(runs[0]["output_ids"]) > 0
+    assert row["reorder_cached_fraction"] > 0.8  # SGLang's own cached_tokens
+    assert row["reorder_n"] == 1 and 0.0 <= row["reorder_greedy_agreement"] <= 1.0
+    (cells,) = row["qa_by_dataset"].values()
+    assert cells["reorder"]["paired"] == 1 and cells["reorder"]["agreement"] in (0.0, 1.0)
+    assert "reorder" in proc.stdout
+
+
 def test_the_sglang_dispatch_system_is_exact_spans_without_donor_aware_dispatch() -> None:
     env = SERVER_ENV[SGLANG_DISPATCH]
     assert Config.from_env(env).dispatch_enabled is False

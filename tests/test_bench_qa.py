@@ -21,7 +21,7 @@ from semblend_sglang.bench.builtin_workloads import (
     build_workload,
 )
 from semblend_sglang.bench.client import Answer
-from semblend_sglang.bench.e2e_runner import ProbeRecord, Runner
+from semblend_sglang.bench.e2e_runner import ProbeRecord, Runner, requests_per_group
 from semblend_sglang.bench.e2e_summary import qa_columns, summarize
 from semblend_sglang.bench.e2e_table import markdown_table
 from semblend_sglang.bench.metrics import (
@@ -357,6 +357,55 @@ def test_runner_records_carry_the_probe_gold_and_the_summary_scores_them(built: 
     assert spans["n"] == spans["paired"] == 1
     assert spans["accuracy"] == 0.0 and spans["cold_accuracy"] == 1.0
     assert spans["agreement"] == 0.0 and (spans["b"], spans["c"]) == (1, 0)
+
+
+class _RecordingServer(_FakeServer):
+    """A :class:`_FakeServer` that keeps every prompt sent to it."""
+
+    def __init__(self, answer: str) -> None:
+        super().__init__(answer)
+        self.sent: list[tuple[int, ...]] = []
+
+    def generate(self, ids: Sequence[int], tokens: int, *, margins: bool = False) -> Answer:
+        self.sent.append(tuple(ids))
+        return super().generate(ids, tokens, margins=margins)
+
+
+@pytest.mark.parametrize("name", qw.QA_WORKLOADS)
+def test_the_reorder_system_sends_the_rewritten_probe_after_the_donors(
+    name: str, built: dict
+) -> None:
+    """The lossless anchor: after the group's donors, the probe with its passages in a donor's
+    order (its own passages, question and answer); scored against gold and paired with
+    vanilla's cold run of the original prompt, and timed against exact_spans per probe."""
+    workload = built[name, 512]
+    group = workload.groups[0]
+    (probe,) = group.probes
+    assert probe.reordered_ids and probe.reordered_ids != probe.prompt_ids
+    assert sorted(probe.reordered_ids) == sorted(probe.prompt_ids)
+    gold = probe.gold
+    assert gold is not None
+    reorder = _RecordingServer(f"{gold.answers[0].title()}.")
+    clients: Any = {
+        "vanilla": _FakeServer(f"{gold.answers[0].title()}."),
+        "exact_spans": _FakeServer(f"{gold.answers[0].title()}."),
+        "reorder": reorder,
+    }
+    runner = Runner(clients, repeats=2)
+    runner.run_group(workload, group)
+    donors = [d.prompt_ids for d in group.donors]
+    assert reorder.sent == [*donors, probe.reordered_ids] * 2
+    added = requests_per_group(group, list(clients), 2)
+    added -= requests_per_group(group, ["vanilla", "exact_spans"], 2)
+    assert added == len(reorder.sent) == 2 * (len(donors) + 1)
+    runs = [r for r in runner.records if r.system == "reorder"]
+    assert [(r.kind, r.repeat) for r in runs] == [("reordered", 0), ("reordered", 1)]
+    (row,) = summarize(runner.records)
+    cell = next(iter(row["qa_by_dataset"].values()))["reorder"]
+    assert cell["n"] == cell["paired"] == 1 and cell["agreement"] == 1.0
+    assert row["exact_spans_over_reorder"] == 1.0 and row["exact_spans_over_reorder_n"] == 2
+    assert row["reorder_n"] == 2 and row["reorder_greedy_agreement"] == 1.0
+    assert row["reorder_cached_fraction"] == 0.0  # the fake server caches nothing
 
 
 def _qa(

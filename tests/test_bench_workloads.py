@@ -26,7 +26,7 @@ from semblend_sglang.bench.workload_file import (
     load_workload_file,
     write_workload_file,
 )
-from semblend_sglang.bench.workloads import BenchRequest, RequestGroup, Workload
+from semblend_sglang.bench.workloads import BenchRequest, RequestGroup, Workload, prefix_order
 
 LENGTHS = (512, 1024, 2048)
 GROUPS = 3
@@ -72,6 +72,10 @@ def contains(haystack: tuple[int, ...], needle: tuple[int, ...]) -> bool:
 
 def ngrams(ids: tuple[int, ...], n: int) -> set[tuple[int, ...]]:
     return {ids[i : i + n] for i in range(len(ids) - n + 1)}
+
+
+def common_suffix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return common_prefix(a[::-1], b[::-1])
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -229,6 +233,36 @@ def test_rag_corpus(built: dict, tok: Any, essay_keys: list[str], ctx: int) -> N
         used = [h for r in group.requests for h in heads if _key(h) in _key(r.prompt_ids[:40])]
         assert len(used) == len(group.requests) == len(set(used))  # an instruction each
         assert len({essay_of(p, essay_keys) for p in passages}) == wl.RAG_PASSAGES
+
+
+def test_prefix_order_puts_the_longest_donor_lead_first() -> None:
+    assert prefix_order(["c", "a", "b", "d"], [["a", "b", "x", "c"]]) == ["a", "b", "c", "d"]
+    # the donor whose leading passages are the longest run of probe passages wins
+    donors = [["x", "a"], ["b", "d", "y"], ["d", "c", "a", "z"]]
+    assert prefix_order(["a", "b", "c", "d"], donors) == ["d", "c", "a", "b"]
+    assert prefix_order(["a", "b"], [["b", "b", "a"]]) == ["b", "a"]  # a passage once
+    assert prefix_order(["a", "b"], []) == ["a", "b"]  # nothing to follow: the probe's order
+    assert prefix_order(["a", "b"], [["b"], ["a"]]) == ["b", "a"]  # ties: the first donor
+
+
+def test_rag_probes_reordered_for_an_exact_prefix(built: dict) -> None:
+    """The reorder system's rewrite of a rag probe: its own tokens, passages in the donor's
+    order, so the donor is an exact prefix up to the question; rag_corpus's probe keeps its own
+    instruction, which no donor has, so its rewrite parts from every donor at once."""
+    for group in built["rag", 1024].groups:
+        donor, probe = group.donors[0], group.probes[0]
+        assert sorted(probe.reordered_ids) == sorted(probe.prompt_ids)
+        assert passage_order(probe.reordered_ids, group.shared_spans) == [0, 1, 2, 3]
+        question = len(probe.prompt_ids) - common_suffix(probe.prompt_ids, probe.reordered_ids)
+        assert common_prefix(probe.reordered_ids, donor.prompt_ids) >= question - 8
+        assert common_prefix(probe.prompt_ids, donor.prompt_ids) < 16
+    for group in built["rag_corpus", 1024].groups:
+        probe = group.probes[0]
+        assert sorted(probe.reordered_ids) == sorted(probe.prompt_ids)
+        assert all(contains(probe.reordered_ids, p) for p in group.shared_spans)
+        assert max(common_prefix(probe.reordered_ids, d.prompt_ids) for d in group.donors) < 16
+    plain = [r for g in built["cross_instruction", 512].groups for r in g.requests]
+    assert not any(r.reordered_ids for r in plain)
 
 
 def test_template_changes_only_the_field(built: dict, tok: Any) -> None:

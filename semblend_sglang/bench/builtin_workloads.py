@@ -32,7 +32,7 @@ from typing import Any
 
 from .essay_pool import REFERENCE_TOKENS, EssayPool, EssaySlice
 from .qa_workloads import QA_WORKLOADS, build_qa_workload
-from .workloads import BenchRequest, RequestGroup, Workload, encode
+from .workloads import BenchRequest, RequestGroup, Workload, encode, prefix_order
 
 #: Largest difference between a donor's length and ``context_tokens`` (multi_turn donors aside).
 LENGTH_TOLERANCE = 16
@@ -184,7 +184,11 @@ def _rag(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> R
                 describe(donor_order, qd),
             ),
             BenchRequest(
-                prompt(order, q_probe), "probe", passages[order[-1]].reference, describe(order, qp)
+                prompt(order, q_probe),
+                "probe",
+                passages[order[-1]].reference,
+                describe(order, qp),
+                reordered_ids=prompt(prefix_order(order, [donor_order]), q_probe),
             ),
         ),
         shared_spans=tuple(p.ids for p in passages),
@@ -227,9 +231,11 @@ def _rag_corpus(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Rando
         return f"instruction {head}, corpus passages {picked} ({where}), question {question}"
 
     requests: list[BenchRequest] = []
+    donor_orders: list[list[int]] = []
     for d in range(RAG_CORPUS_DONORS):
         picked = pairs[d] + others
         rng.shuffle(picked)
+        donor_orders.append(picked)
         requests.append(
             BenchRequest(
                 prompt(order[d], picked, asked[d]),
@@ -241,12 +247,14 @@ def _rag_corpus(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Rando
     probe = list(chosen)
     rng.shuffle(probe)
     ids = prompt(order[-1], probe, asked[-1])
+    reordered = prompt(order[-1], prefix_order(probe, donor_orders), asked[-1])
     requests.append(
         BenchRequest(
             _pad(ids, ctx - len(ids), sep),  # the integer division's remainder, in front
             "probe",
             corpus[probe[-1]].reference,
             describe(order[-1], probe, asked[-1]),
+            reordered_ids=_pad(reordered, ctx - len(ids), sep),
         )
     )
     return RequestGroup(gid, tuple(requests), shared_spans=tuple(corpus[j].ids for j in chosen))

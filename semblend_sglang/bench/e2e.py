@@ -33,6 +33,7 @@ from .report import environment as report_environment
 from .systems import (
     DEFAULT_SYSTEMS,
     QUICK_SYSTEMS,
+    REORDER,
     SERVER_ENV,
     SGLANG_DISPATCH,
     SYSTEMS,
@@ -48,7 +49,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -76,7 +77,10 @@ semblend systems' ``reference_logprobs`` come from a request sent after a flush 
 donors again (before, it could reuse the probe itself and be repaired twice). 11: summary rows
 carry ``qa_by_dataset`` (dataset -> source -> scores, agreement with cold, McNemar's paired
 test; :func:`.e2e_summary.qa_columns`) instead of the cross-dataset ``_accuracy``, ``_f1`` and
-``_qa_n``."""
+``_qa_n``. 12: the ``reorder`` system (records: system ``reorder``, kind ``reordered``); summary
+rows carry ``reorder_ms_*``, ``exact_spans_over_reorder`` (paired, with ``_min``, ``_max``,
+``_n``), ``reorder_cached_fraction``, ``reorder_greedy_agreement`` and a ``reorder`` source in
+``qa_by_dataset``."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -216,7 +220,8 @@ def _workload_over_essays(
     help=f"Systems, comma-separated, of {','.join(SYSTEMS)} (default "
     f"{','.join(DEFAULT_SYSTEMS)}; with --quick {','.join(QUICK_SYSTEMS)}). "
     f"{SGLANG_DISPATCH}: exact_spans with SGLang's own data-parallel dispatch, to compare with "
-    "exact_spans under --server-arg=--dp-size.",
+    f"exact_spans under --server-arg=--dp-size. {REORDER}: vanilla SGLang sent each probe of "
+    "passages (rag, rag_corpus, the QA workloads) with its passages in a donor's order.",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--model-path", default=None, help="Model to serve/tokenize (default: SmolLM2).")

@@ -18,6 +18,9 @@ server (unless flushing is off):
   after a flush the probe alone (``cold``, the quality baseline); after a flush the first ``c``
   probe tokens then the probe (``exact_same_length``: an exact hit of the length exact_spans did
   not compute in the same repeat).
+- reorder (a vanilla server; probes with ``reordered_ids`` only): the donors, then the probe with
+  its passages reordered (``reordered``: SGLang's exact prefix cache on the lossless rewrite);
+  its answer is compared with vanilla's cold run of the original prompt.
 
 Quality is deterministic (greedy, float32): the first repeat (``repeat`` 0) decodes
 :data:`GREEDY_TOKENS` tokens and reads the reference logprobs (and cold's margins); later
@@ -34,7 +37,7 @@ from typing import Any
 
 from .client import Answer, ServerClient
 from .machine_load import LoadMeter, LoadWindow
-from .systems import SEMBLEND_SYSTEMS
+from .systems import REORDER, SEMBLEND_SYSTEMS
 from .workloads import BenchRequest, GoldAnswer, RequestGroup, Workload
 
 GREEDY_TOKENS = 32
@@ -251,6 +254,7 @@ class Runner:
             for i in range(len(group.probes)):
                 reused_len = self._semantic(workload, group, i, repeat)
                 self._vanilla(workload, group, i, repeat, reused_len)
+                self._reordered(workload, group, i, repeat)
         if self.sink is not None:
             for rec in self.records[first:]:
                 self.sink(rec)
@@ -349,6 +353,27 @@ class Runner:
             )
             self.progress(1)
 
+    def _reordered(self, workload: Workload, group: RequestGroup, i: int, repeat: int) -> None:
+        """Probe ``i`` with its passages reordered, on the reorder server after the group's
+        donors; nothing when the probe has no reordered prompt or no reorder server runs."""
+        client = self.clients.get(REORDER)
+        probe = group.probes[i]
+        if client is None or not probe.reordered_ids:
+            return
+        full = repeat == 0
+        self._flush(client)
+        self._send_donors(client, group)
+        self._record(
+            workload,
+            group,
+            i,
+            REORDER,
+            "reordered",
+            self._generate(client, probe.reordered_ids, self.greedy_tokens if full else 1),
+            repeat,
+        )
+        self.progress(1)
+
     def _reference(self, client: ServerClient, probe: BenchRequest) -> list[float]:
         if not probe.reference_ids:
             return []
@@ -369,4 +394,6 @@ def requests_per_group(group: RequestGroup, systems: Sequence[str], repeats: int
             resent += donors * referenced  # the first repeat's reference runs after its donors
     if "vanilla" in systems:
         n += probes * (1 + (donors + 2 if donors else 0))
+    if REORDER in systems:
+        n += sum(donors + 1 for probe in group.probes if probe.reordered_ids)
     return n * repeats + resent

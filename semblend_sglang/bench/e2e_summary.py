@@ -32,7 +32,7 @@ from .metrics import (
     score_answer,
 )
 from .qa_data import QA_DATASETS
-from .systems import SEMBLEND_SYSTEMS, SGLANG_DISPATCH
+from .systems import REORDER, SEMBLEND_SYSTEMS, SGLANG_DISPATCH
 from .workloads import GoldAnswer
 
 TTFT_KINDS: tuple[tuple[str, str], ...] = (
@@ -42,6 +42,7 @@ TTFT_KINDS: tuple[tuple[str, str], ...] = (
     ("exact_spans", "semantic"),
     ("substitute", "semantic"),
     (SGLANG_DISPATCH, "semantic"),
+    (REORDER, "reordered"),
 )
 """(system, kind) pairs with TTFT columns: ``{kind}_ms_*`` for vanilla, ``{system}_ms_*`` else."""
 
@@ -71,6 +72,12 @@ PAIRED_RATIOS: tuple[tuple[str, tuple[str, str], tuple[str, str], str], ...] = (
         "spans/exact",
     ),
     ("exact_spans_speedup", ("vanilla", "cold"), ("exact_spans", "semantic"), "speed-up"),
+    (
+        "exact_spans_over_reorder",
+        ("exact_spans", "semantic"),
+        (REORDER, "reordered"),
+        "spans/reorder",
+    ),
 )
 """(summary key, numerator, denominator, name in a noise reason): per-probe paired TTFT ratios
 of every row; the miss overhead is paired the same way on control rows."""
@@ -81,6 +88,7 @@ QA_SOURCES: tuple[tuple[str, str, str], ...] = (
     ("exact_spans", "exact_spans", "semantic"),
     ("substitute", "substitute", "semantic"),
     (SGLANG_DISPATCH, SGLANG_DISPATCH, "semantic"),
+    (REORDER, REORDER, "reordered"),
 )
 """(source, system, kind) of the outputs scored against gold answers, per dataset
 (:func:`qa_columns`); ``cold`` is the baseline the others are paired with."""
@@ -383,6 +391,26 @@ def _recompute_columns(
     return out
 
 
+def _reorder_columns(
+    mine: Sequence[ProbeRecord], cold_of: dict[tuple[str, int], ProbeRecord]
+) -> dict[str, Any]:
+    """The reorder system's exact prefix hit (``reorder_cached_fraction``: SGLang's cached
+    tokens over the prompt, every repeat) and its first repeat's 32-token greedy agreement with
+    vanilla's cold run of the original prompt (``reorder_greedy_agreement``); None without
+    reorder records."""
+    runs = [r for r in mine if r.system == REORDER and r.kind == "reordered"]
+    agree = [
+        greedy_agreement(r.output_ids, cold_of[(r.group_id, r.probe)].output_ids, GREEDY_TOKENS)
+        for r in runs
+        if r.repeat == 0 and (r.group_id, r.probe) in cold_of
+    ]
+    prompt = sum(r.prompt_tokens for r in runs)
+    return {
+        "reorder_cached_fraction": sum(r.cached_tokens for r in runs) / prompt if prompt else None,
+        "reorder_greedy_agreement": _mean(agree),
+    }
+
+
 def summarize(
     records: Sequence[ProbeRecord],
     by_label: bool = False,
@@ -408,7 +436,9 @@ def summarize(
     hit's own agreement, the noise floor) and ``exact_spans_over_exact``; the answers scored
     against gold answers (:func:`qa_columns`: ``qa_probes``, ``qa_span_probes`` and
     ``qa_by_dataset``: per dataset and source, accuracy, exact match, F1, agreement with cold
-    and McNemar's paired test). A missing value is None."""
+    and McNemar's paired test); the reorder system's ``reorder_cached_fraction`` and
+    ``reorder_greedy_agreement`` (:func:`_reorder_columns`) and the paired
+    ``exact_spans_over_reorder``. A missing value is None."""
     rows: list[dict[str, Any]] = []
     for workload, label, ctx in _row_keys(records, by_label):
         mine = [
@@ -446,6 +476,7 @@ def summarize(
         ]
         # The noise floor: the same prompt, cached vs not, on the same server.
         row["exact_greedy_agreement"] = sum(exact_agree) / len(exact_agree) if exact_agree else None
+        row.update(_reorder_columns(mine, cold_of))
         row.update(qa_columns(mine))
         spread: dict[str, list[float]] = {}
         for key, num, den, name in PAIRED_RATIOS:

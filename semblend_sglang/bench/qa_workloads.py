@@ -45,7 +45,7 @@ from typing import Any
 
 from .essay_pool import REFERENCE_TOKENS
 from .qa_data import BOOLQ, QA_DATASETS, QAItem, answer_in, qa_items
-from .workloads import BenchRequest, RequestGroup, Role, Workload, encode
+from .workloads import BenchRequest, RequestGroup, Role, Workload, encode, prefix_order
 
 QA_WORKLOADS: tuple[str, ...] = ("qa_rag", "qa_rag_corpus")
 
@@ -281,14 +281,26 @@ def _describe(items: Sequence[QAItem], asked: QAItem) -> str:
 
 
 def _request(
-    pieces: _Pieces, role: Role, passages: Sequence[QAItem], asked: QAItem
+    pieces: _Pieces,
+    role: Role,
+    passages: Sequence[QAItem],
+    asked: QAItem,
+    donor_orders: Sequence[Sequence[QAItem]] = (),
 ) -> BenchRequest:
+    """One request; a probe given its donors' passage orders also carries its prompt with the
+    passages in :func:`.workloads.prefix_order`."""
+    reordered = (
+        pieces.prompt(asked.gold.kind, prefix_order(passages, donor_orders), asked)
+        if donor_orders
+        else ()
+    )
     return BenchRequest(
         pieces.prompt(asked.gold.kind, passages, asked),
         role,
         pieces.reference(asked),
         _describe(passages, asked),
         gold=asked.gold,
+        reordered_ids=reordered,
     )
 
 
@@ -312,7 +324,10 @@ def _qa_rag(pieces: _Pieces, pool: _Pool, ctx: int, gid: str, rng: random.Random
         rng.shuffle(probe)
     return RequestGroup(
         gid,
-        (_request(pieces, "donor", donor, asked), _request(pieces, "probe", probe, gold)),
+        (
+            _request(pieces, "donor", donor, asked),
+            _request(pieces, "probe", probe, gold, [donor]),
+        ),
         shared_spans=tuple(pieces.passage(p) for p in probe),
     )
 
@@ -331,6 +346,7 @@ def _qa_rag_corpus(
     n_donors = min(QA_CORPUS_DONORS, len(probe))
     corpus: list[QAItem] = []  # the group's passages outside the probe, shared by donors
     donors: list[BenchRequest] = []
+    donor_orders: list[list[QAItem]] = []
     for d in range(n_donors):
         share = probe[d::n_donors]
         held = pieces.total(share)
@@ -344,10 +360,11 @@ def _qa_rag_corpus(
         offered = rng.sample(corpus, len(corpus))
         passages = _fill(pieces, pool, [*share, asked], budget, ok, offered)
         corpus += [p for p in passages if p not in share and p not in corpus]
-        donors.append(_request(pieces, "donor", rng.sample(passages, len(passages)), asked))
+        donor_orders.append(rng.sample(passages, len(passages)))
+        donors.append(_request(pieces, "donor", donor_orders[-1], asked))
     return RequestGroup(
         gid,
-        (*donors, _request(pieces, "probe", probe, gold)),
+        (*donors, _request(pieces, "probe", probe, gold, donor_orders)),
         shared_spans=tuple(pieces.passage(p) for p in probe),
     )
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .e2e_summary import RECOMPUTE_SETTINGS, qa_lines, row_name
-from .systems import SGLANG_DISPATCH
+from .systems import REORDER, SGLANG_DISPATCH
 
 PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
 """Distributions whose versions :func:`environment` records."""
@@ -91,6 +91,9 @@ TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
     ("hook ovh", 8, "exact_spans_miss_overhead_in_scheduler", ".3f", 100),
     ("sgl-dp", 10, f"{SGLANG_DISPATCH}_ms_p50", ".0f", 1),
     ("sgl-dp hit%", 11, f"{SGLANG_DISPATCH}_hit_rate", ".0f", 100),
+    ("reorder", 10, "reorder_ms_p50", ".0f", 1),
+    ("sp/ro", 9, "exact_spans_over_reorder", ".2f", 1),
+    ("ro hit%", 7, "reorder_cached_fraction", ".0f", 100),
     ("recompute", 13, "exact_spans_recompute", "s", 1),
     ("recomp%", 7, "exact_spans_recompute_share", ".0f", 100),
     ("gated", 5, "exact_spans_gate_declines", "d", 1),
@@ -112,6 +115,9 @@ TABLE_LEGEND = (
     "range, points); hook ovh: semblend's own time in the scheduler during a control probe, % "
     "of vanilla cold TTFT (the miss overhead's headline); sgl-dp, sgl-dp hit%: TTFT and"
     f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch);"
+    " reorder: vanilla SGLang sent the probe with its passages in a donor's order (the lossless"
+    " anchor), sp/ro: spans/reorder, median of paired ratios, ro hit%: its exact prefix hit, %"
+    " of the prompt;"
     " recompute: the recompute strategy and ratio exact_spans' server resolved (? when it did"
     " not report them); recomp%: reused positions it recomputed, % of reused + recomputed;"
     " gated: probes its quality gate declined; noise: ! when the row's spread is large or"
@@ -125,6 +131,7 @@ QA_SOURCE_LABELS: dict[str, str] = {
     "exact_spans": "spans",
     "substitute": "subst",
     SGLANG_DISPATCH: "sgl-dp",
+    REORDER: "reorder",
 }
 """How the console's QA table names each :data:`.e2e_summary.QA_SOURCES` source."""
 

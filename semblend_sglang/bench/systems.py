@@ -5,8 +5,10 @@ Systems: ``vanilla`` (SEMBLEND_ENABLED=0), ``exact_spans`` and ``substitute`` (s
 mode) and, chosen with ``--systems`` only, ``exact_spans_sglang_dispatch``: exact_spans with
 donor-aware data-parallel dispatch off (SEMBLEND_DISPATCH_ENABLED=0), so that with
 ``--server-arg=--dp-size --server-arg=N`` SGLang's own ``--load-balance-method`` places every
-request. Started servers with ``--dp-size N`` on CPU get ``SGLANG_CPU_OMP_THREADS_BIND`` (one
-core per rank).
+request; and ``reorder``, the lossless anchor: vanilla SGLang sent each probe of passages with
+its passages reordered so that a donor's order is an exact prefix (``BenchRequest.
+reordered_ids``; probes without passages are not sent to it). Started servers with
+``--dp-size N`` on CPU get ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from typing import Any
 import click
 
 SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
-SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH)
+REORDER = "reorder"
+SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH, REORDER)
 DEFAULT_SYSTEMS = ("vanilla", "exact_spans", "substitute")
-"""Without ``--systems``: SGLANG_DISPATCH differs from exact_spans only with ``--dp-size``."""
+"""Without ``--systems``: SGLANG_DISPATCH differs from exact_spans only with ``--dp-size``, and
+REORDER runs on the workloads of passages only (another server)."""
 SEMBLEND_SYSTEMS = ("exact_spans", "substitute", SGLANG_DISPATCH)
 QUICK_SYSTEMS = ("vanilla", "exact_spans")
 """``--quick`` leaves out the opt-in, output-changing substitute mode (one server fewer)."""
 SERVER_ENV: dict[str, dict[str, str]] = {
     "vanilla": {"SEMBLEND_ENABLED": "0"},
+    REORDER: {"SEMBLEND_ENABLED": "0"},
     "exact_spans": {"SEMBLEND_ENABLED": "1", "SEMBLEND_MODE": "exact_spans"},
     "substitute": {
         "SEMBLEND_ENABLED": "1",

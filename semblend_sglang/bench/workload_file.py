@@ -10,8 +10,10 @@ tokenized with the tokenizer's defaults, as SGLang tokenizes a text prompt) and 
 (non-empty list of token ids); optional ``role`` (``"donor"`` or ``"probe"``; without it the
 first line of a group is its donor and later lines are probes); optional ``reference`` (string,
 tokenized without special tokens) or ``reference_ids`` (list of token ids), the continuation
-teacher-forced for the PPL ratio; optional ``label`` (string). No other key is accepted. Blank
-lines and lines whose first non-blank character is ``#`` are skipped.
+teacher-forced for the PPL ratio; optional ``label`` (string); optional ``reordered_ids`` (list
+of token ids: the probe rewritten with its passages in a donor's order, which the ``reorder``
+system sends instead). No other key is accepted. Blank lines and lines whose first non-blank
+character is ``#`` are skipped.
 
 Groups keep the order of their first line; a group's lines need not be adjacent. In a group the
 donors must come before the probes and there must be at least one probe (a group with no donor
@@ -29,7 +31,9 @@ from typing import Any
 from .metrics import percentile
 from .workloads import BenchRequest, RequestGroup, Workload, encode
 
-KEYS = frozenset({"group", "prompt", "input_ids", "role", "reference", "reference_ids", "label"})
+KEYS = frozenset(
+    {"group", "prompt", "input_ids", "role", "reference", "reference_ids", "label", "reordered_ids"}
+)
 
 
 class WorkloadFileError(ValueError):
@@ -139,7 +143,16 @@ def _parse(text: str, tokenizer: Any, vocab: int | None) -> tuple[str, str | Non
     role = obj.get("role")
     if role is not None and role not in ("donor", "probe"):
         raise _Bad(f"unknown role {role!r} (use 'donor' or 'probe')")
-    return group, role, BenchRequest(prompt_ids, role or "probe", reference_ids, label)
+    reordered_ids: tuple[int, ...] = ()
+    if "reordered_ids" in obj:
+        reordered_ids = _token_ids(obj["reordered_ids"], "reordered_ids", vocab)
+    return (
+        group,
+        role,
+        BenchRequest(
+            prompt_ids, role or "probe", reference_ids, label, reordered_ids=reordered_ids
+        ),
+    )
 
 
 def load_workload_file(path: str | Path, tokenizer: Any, name: str | None = None) -> Workload:
@@ -213,5 +226,7 @@ def write_workload_file(workload: Workload, path: str | Path) -> None:
                 obj["reference_ids"] = list(request.reference_ids)
             if request.label:
                 obj["label"] = request.label
+            if request.reordered_ids:
+                obj["reordered_ids"] = list(request.reordered_ids)
             lines.append(json.dumps(obj, ensure_ascii=False))
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -8,9 +8,9 @@ are measured). Every prompt is a tuple of token ids, sent to SGLang's ``/generat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 Role = Literal["donor", "probe"]
 ROLES: tuple[str, ...] = ("donor", "probe")
@@ -66,6 +66,9 @@ class BenchRequest:
     probe label (built-in workloads describe each request with it and are not broken down).
     ``gold``: the request's gold answer when it asks a question with a known answer (the QA
     workloads, :mod:`.qa_workloads`); None for every other request.
+    ``reordered_ids``: a probe of passages, rewritten with its passages in the order
+    :func:`prefix_order` gives (the lossless ``reorder`` system sends it instead); empty for a
+    request without passages to reorder.
     """
 
     prompt_ids: tuple[int, ...]
@@ -73,12 +76,35 @@ class BenchRequest:
     reference_ids: tuple[int, ...] = ()
     label: str = ""
     gold: GoldAnswer | None = None
+    reordered_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be 'donor' or 'probe', not {self.role!r}")
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+
+
+T = TypeVar("T", bound=Hashable)
+
+
+def prefix_order(probe: Sequence[T], donors: Sequence[Sequence[T]]) -> list[T]:
+    """The probe's passages (distinct items) reordered so that an earlier request's order is an
+    exact prefix, as a prefix-reordering planner would (LMCache's blend reorder, ContextPilot):
+    the donor whose leading passages are the longest run of probe passages (ties: the first
+    donor) gives that run, in its order, to the front; the others follow in the probe's order.
+    Pure; the result is a permutation of ``probe``."""
+    wanted = set(probe)
+    best: list[T] = []
+    for donor in donors:
+        lead: list[T] = []
+        for item in donor:
+            if item not in wanted or item in lead:
+                break
+            lead.append(item)
+        if len(lead) > len(best):
+            best = lead
+    return best + [item for item in probe if item not in best]
 
 
 @dataclass(frozen=True)
