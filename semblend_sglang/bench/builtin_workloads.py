@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .essay_pool import REFERENCE_TOKENS, EssayPool, EssaySlice
+from .qa_retrieval import RETRIEVAL_WORKLOAD, build_retrieval_workload
 from .qa_workloads import QA_WORKLOADS, build_qa_workload
 from .workloads import BenchRequest, RequestGroup, Workload, encode, prefix_order
 
@@ -109,9 +110,10 @@ ESSAY_WORKLOADS: tuple[str, ...] = (
     "control",
 )
 """The workloads built from the essays (this module)."""
-BUILTIN_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, *QA_WORKLOADS)
-"""Every built-in workload: the essay workloads and the QA workloads of :mod:`.qa_workloads`
-(real questions with gold answers, framed by the model's chat template)."""
+BUILTIN_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, *QA_WORKLOADS, RETRIEVAL_WORKLOAD)
+"""Every built-in workload: the essay workloads, the QA workloads of :mod:`.qa_workloads`
+(real questions with gold answers, framed by the model's chat template) and ``qa_retrieval``
+(:mod:`.qa_retrieval`: facts planted in the essays, one asked per probe)."""
 QUICK_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, "qa_rag")
 """What ``bench --quick`` runs by default: every essay workload and ``qa_rag`` (one donor per
 group; ``qa_rag_corpus``'s three donors are left to the full run)."""
@@ -399,12 +401,13 @@ def build_workload(
     request carries :data:`REFERENCE_TOKENS` reference tokens, the essay text right after its
     last essay slice. ``qa_rag`` and ``qa_rag_corpus`` are built by
     :func:`.qa_workloads.build_qa_workload` (requests at most ``context_tokens`` long, each with
-    its gold answer). Deterministic for equal arguments (see the module doc).
+    its gold answer), ``qa_retrieval`` by :func:`.qa_retrieval.build_retrieval_workload` (from
+    ``essays``; likewise). Deterministic for equal arguments (see the module doc).
 
     Raises ValueError for an unknown name, ``context_tokens < MIN_CONTEXT_TOKENS``,
     ``groups < 1``, or when the essays cannot supply enough non-overlapping text.
     """
-    if name not in _BUILDERS and name not in QA_WORKLOADS:
+    if name not in BUILTIN_WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; built-in: {', '.join(BUILTIN_WORKLOADS)}")
     if context_tokens < MIN_CONTEXT_TOKENS:
         raise ValueError(f"context_tokens must be >= {MIN_CONTEXT_TOKENS}, not {context_tokens}")
@@ -412,6 +415,8 @@ def build_workload(
         raise ValueError(f"groups must be >= 1, not {groups}")
     if name in QA_WORKLOADS:
         return build_qa_workload(name, tokenizer, context_tokens, groups, seed)
+    if name == RETRIEVAL_WORKLOAD:
+        return build_retrieval_workload(tokenizer, essays, context_tokens, groups, seed)
     rng = random.Random(f"{name}/{context_tokens}/{seed}")
     pool = EssayPool(tokenizer, essays, rng)
     builder = _BUILDERS[name]
