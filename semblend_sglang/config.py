@@ -209,6 +209,14 @@ class Config:
         minimum=0,
         maximum=4096,
     )
+    recompute_check_span_limit: int = setting(
+        0,
+        "deviation/query: at most this many positions of each copied span of a sampled plan "
+        "are checked (its first, then evenly spread), so the check's cost follows the plan and "
+        "not the prompt's length (0: no limit, recompute_check_share alone).",
+        minimum=0,
+        maximum=1 << 20,
+    )
     recompute_min_deviation: float = setting(
         1e-4,
         "deviation/query: recompute a reused position only when its relative K/V deviation at "

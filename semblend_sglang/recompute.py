@@ -13,9 +13,10 @@ rest keep the donor's KV. Strategies (:class:`RecomputeStrategy`):
   tokens pay each reused key at the check layer (ProphetKV-style; :func:`query_attention`).
 
 With a *check share* below 1 only a sample of a plan's reused positions (:func:`check_sample`)
-is computed up to the check layer and scored, for plans of few spans (:class:`CheckSampling`);
-the others keep the donor's KV in every layer, and the budget, still a share of every reused
-position, is spent on the sample.
+is computed up to the check layer and scored, for plans of few spans (:class:`CheckSampling`),
+at most a *span limit* of positions per span when one is set, so that the check's cost follows
+the plan rather than the prompt's length; the others keep the donor's KV in every layer, and the
+budget, still a share of every reused position, is spent on the sample.
 
 With a *minimum deviation* the budget is per request (:func:`select`): only reused positions
 whose K/V moved at least that much at the check layer are recomputed, up to the ratio, so spans
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import Config
 from .recompute_strategy import RecomputeStrategy as RecomputeStrategy
 
 QUERY_TAIL_TOKENS = 32
@@ -87,35 +89,53 @@ def head_lengths(span_lengths: Sequence[int], ratio: float) -> list[int]:
 @dataclass(frozen=True, slots=True)
 class CheckSampling:
     """Which plans a check computes on a sample: those of at most ``max_spans`` spans, on
-    ``share`` of their reused positions (``recompute_check_share`` and
-    ``recompute_check_max_spans``). Built once per server from its settings; the quality gate
+    ``share`` of their reused positions and at most ``span_limit`` positions of each span (0: no
+    limit) (``recompute_check_share``, ``recompute_check_max_spans``,
+    ``recompute_check_span_limit``). Built once per server from its settings; the quality gate
     needs every position scored, so a server with the gate on samples no plan."""
 
     share: float = 1.0
     max_spans: int = 0
+    span_limit: int = 0
 
     @classmethod
-    def of(cls, share: float, max_spans: int, quality_gate: float) -> CheckSampling:
+    def of(cls, config: Config) -> CheckSampling:
         """The sampling of a server with these settings."""
-        if quality_gate > 0.0 or share >= 1.0:
+        if config.quality_gate > 0.0 or config.recompute_check_share >= 1.0:
             return cls()
-        return cls(share, max_spans)
+        return cls(
+            config.recompute_check_share,
+            config.recompute_check_max_spans,
+            config.recompute_check_span_limit,
+        )
 
     def share_for(self, spans: int) -> float:
         """The share of a plan of ``spans`` spans computed up to the check layer (1: all)."""
         return self.share if spans <= self.max_spans else 1.0
 
+    def sample(self, spans: int, length: int) -> torch.Tensor:
+        """:func:`check_sample` of one copied span of ``length`` positions in a plan of
+        ``spans`` spans: the span limit applies to sampled plans only (a dense check scores
+        every position)."""
+        share = self.share_for(spans)
+        return check_sample(length, share, self.span_limit if share < 1.0 else 0)
 
-def check_sample(length: int, share: float) -> torch.Tensor:
+
+def check_sample(length: int, share: float, limit: int = 0) -> torch.Tensor:
     """Offsets into a span of ``length`` reused positions computed up to the check layer when
     only ``share`` of them are: ``ceil(m / share)`` for ``m = 0, 1, ...`` below ``length`` (the
     span's first position, then one every ``1 / share``), CPU int64 ascending; all of them at
-    ``share`` 1."""
+    ``share`` 1. With ``limit`` > 0 and more than ``limit`` offsets that way, ``limit`` offsets
+    instead: ``ceil(m * length / limit)`` for ``m < limit`` (the first position, then evenly
+    spread)."""
     if length <= 0:
         return torch.empty(0, dtype=torch.int64)
     if share >= 1.0:
         return torch.arange(length, dtype=torch.int64)
     count = math.ceil(length * share - 1e-9)
+    if 0 < limit < count:
+        spread = torch.arange(limit, dtype=torch.float64) * (length / limit)
+        return torch.ceil(spread - 1e-9).to(torch.int64)
     offsets = torch.ceil(torch.arange(count, dtype=torch.float64) / share - 1e-9).to(torch.int64)
     return offsets[offsets < length]
 

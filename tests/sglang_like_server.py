@@ -43,6 +43,7 @@ RESOLVED_CONFIG: dict[str, Any] = {
     "recompute_check_layer": 1,
     "recompute_check_share": 0.15,
     "recompute_check_max_spans": 1,
+    "recompute_check_span_limit": 0,
     "recompute_min_deviation": 1e-4,
     "quality_gate": 0.0,
 }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from semblend_sglang import recompute
+from semblend_sglang.config import Config
 from semblend_sglang.recompute import RecomputeStrategy
 
 
@@ -173,13 +174,47 @@ def test_a_sampled_check_spends_the_budget_of_every_reused_position_on_the_sampl
     )
 
 
+def _sampling(
+    share: float, max_spans: int, gate: float, span_limit: int = 0
+) -> recompute.CheckSampling:
+    return recompute.CheckSampling.of(
+        Config(
+            recompute_check_share=share,
+            recompute_check_max_spans=max_spans,
+            quality_gate=gate,
+            recompute_check_span_limit=span_limit,
+        )
+    )
+
+
 def test_only_plans_of_few_spans_are_checked_on_a_sample_and_none_under_the_gate() -> None:
-    sampling = recompute.CheckSampling.of(0.15, 1, 0.0)
+    sampling = _sampling(0.15, 1, 0.0)
     assert [sampling.share_for(n) for n in (1, 2, 8)] == [0.15, 1.0, 1.0]
-    wider = recompute.CheckSampling.of(0.15, 4, 0.0)
+    wider = _sampling(0.15, 4, 0.0)
     assert [wider.share_for(n) for n in (1, 4, 5)] == [0.15, 0.15, 1.0]
-    assert recompute.CheckSampling.of(0.15, 0, 0.0).share_for(1) == 1.0  # 0: no plan
+    assert _sampling(0.15, 0, 0.0).share_for(1) == 1.0  # 0: no plan
     # the quality gate recomputes every reused position, so every one must be scored
-    assert recompute.CheckSampling.of(0.15, 8, 1e-3).share_for(1) == 1.0
-    assert recompute.CheckSampling.of(1.0, 8, 0.0).share_for(1) == 1.0
+    assert _sampling(0.15, 8, 1e-3).share_for(1) == 1.0
+    assert _sampling(1.0, 8, 0.0).share_for(1) == 1.0
     assert recompute.CheckSampling().share_for(1) == 1.0
+    assert recompute.CheckSampling.of(Config()) == recompute.CheckSampling(0.15, 1, 0)
+
+
+@pytest.mark.parametrize("length", [1, 7, 100, 1706, 8000])
+@pytest.mark.parametrize("limit", [1, 16, 256])
+def test_a_span_limit_caps_the_sample_of_a_sampled_plan_only(length: int, limit: int) -> None:
+    """With a span limit the check samples at most ``limit`` positions of a span (its first, then
+    evenly spread), so the check's cost stops growing with the prompt; below the limit the share
+    alone decides, and a dense check (a plan of more spans) keeps every position."""
+    sampling = _sampling(0.15, 1, 0.0, span_limit=limit)
+    offsets = sampling.sample(1, length).tolist()
+    share_only = recompute.check_sample(length, 0.15).tolist()
+    if len(share_only) <= limit:
+        assert offsets == share_only
+    else:
+        assert len(offsets) == limit and offsets[0] == 0
+        assert offsets == sorted(set(offsets)) and offsets[-1] < length
+        gaps = [b - a for a, b in itertools.pairwise(offsets)]
+        assert all(math.floor(length / limit) <= g <= math.ceil(length / limit) for g in gaps)
+    assert sampling.sample(2, length).tolist() == list(range(length))  # dense: no limit
+    assert _sampling(0.15, 1, 0.0).sample(1, length).tolist() == share_only  # 0: no limit

@@ -36,7 +36,7 @@ import torch
 
 from semblend_sglang.align import Span
 from semblend_sglang.plan import Reason
-from semblend_sglang.recompute import CheckSampling, check_sample
+from semblend_sglang.recompute import CheckSampling
 
 from . import rank_agreement
 from .request_reuse import RequestReuse
@@ -390,7 +390,7 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad], sampling: CheckSam
         if not load.copied:
             continue
         copied = ~_computed_mask(load)
-        sampled = _check_sample_mask(load, sampling.share_for(len(load.state.plan.spans)))
+        sampled = _check_sample_mask(load, sampling)
         computed = ~copied | sampled
         if wants_dense_reference(load.req):
             computed = torch.ones_like(copied)
@@ -402,12 +402,14 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad], sampling: CheckSam
     _sparsify(batch, masks)
 
 
-def _check_sample_mask(load: _RequestLoad, share: float) -> torch.Tensor:
+def _check_sample_mask(load: _RequestLoad, sampling: CheckSampling) -> torch.Tensor:
     """Over the load's chunk positions ``lo..hi``: True at the copied positions computed up to
-    the check layer (:func:`~semblend_sglang.recompute.check_sample` of each copied span)."""
+    the check layer (:meth:`~semblend_sglang.recompute.CheckSampling.sample` of each copied
+    span)."""
     mask = torch.zeros(load.hi - load.lo, dtype=torch.bool)
+    spans = len(load.state.plan.spans)
     for span, _ in load.copied:
-        mask[span.target_start - load.lo + check_sample(span.length, share)] = True
+        mask[span.target_start - load.lo + sampling.sample(spans, span.length)] = True
     return mask
 
 

@@ -80,9 +80,7 @@ class RequestFlow:
         self.backend_ok: bool | None = None
         """Whether the model runner's attention backend runs a sparse extend (None until the
         first forward shows it)."""
-        self.check_sampling = CheckSampling.of(
-            config.recompute_check_share, config.recompute_check_max_spans, config.quality_gate
-        )
+        self.check_sampling = CheckSampling.of(config)
         """Which plans a check-layer strategy checks on a sample of their reused positions."""
 
     # ----------------------------------------------------------------- 0. the guard

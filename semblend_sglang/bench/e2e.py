@@ -80,7 +80,7 @@ test; :func:`.e2e_summary.qa_columns`) instead of the cross-dataset ``_accuracy`
 ``_qa_n``. 12: the ``reorder`` system (records: system ``reorder``, kind ``reordered``); summary
 rows carry ``reorder_ms_*``, ``exact_spans_over_reorder`` (paired, with ``_min``, ``_max``,
 ``_n``), ``reorder_cached_fraction``, ``reorder_greedy_agreement`` and a ``reorder`` source in
-``qa_by_dataset``."""
+``qa_by_dataset``; per semblend system ``_recompute_check_span_limit`` (resolved)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

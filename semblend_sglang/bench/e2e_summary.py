@@ -52,6 +52,7 @@ RECOMPUTE_SETTINGS = (
     "recompute_check_layer",
     "recompute_check_share",
     "recompute_check_max_spans",
+    "recompute_check_span_limit",
     "recompute_min_deviation",
     "quality_gate",
 )

@@ -30,8 +30,6 @@ MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("exact_spans", "exact_spans_ms_p50", ",.0f"),
     ("spans / exact", "exact_spans_over_exact", ".2f"),
     ("speed-up (cold / spans)", "exact_spans_speedup", ".2f"),
-    ("reorder", "reorder_ms_p50", ",.0f"),
-    ("spans / reorder", "exact_spans_over_reorder", ".2f"),
     ("hit (server)", "exact_spans_hit_rate", ".0%"),
     ("reused", "exact_spans_reused_fraction", ".0%"),
     ("recomputed", "exact_spans_recompute_share", ".0%"),
