@@ -36,7 +36,7 @@ from .config_fields import (
     setting,
     specs_of,
 )
-from .recompute_strategy import RecomputeStrategy
+from .recompute_strategy import RecomputeStrategy, ReuseMode
 
 __all__ = [
     "EMBEDDERS",
@@ -56,7 +56,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODES = ("discovery_only", "exact_spans", "substitute")
+MODES = tuple(ReuseMode)
 SPARSE_PATHS = ("auto", "split_view", "position_mask")
 EMBEDDERS = ("minilm", "jaccard", "none")
 
@@ -110,11 +110,10 @@ class Config:
     enabled: bool = setting(
         True, "Enable semantic donor lookup (0: every lookup declines, disabled)."
     )
-    mode: str = setting(
-        "exact_spans",
+    mode: ReuseMode = setting(
+        ReuseMode.EXACT_SPANS,
         "discovery_only: lookup + telemetry only; exact_spans: reuse token-identical spans; "
         "substitute: SemBlend-style, changes the prompt (needs exact_materialization_only=0).",
-        choices=MODES,
     )
     model_id: str = setting("", "Model identity recorded in the namespace (informational).")
     min_similarity: float = setting(

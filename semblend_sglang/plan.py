@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from .align import Span
 from .config import Config
@@ -97,29 +96,43 @@ class ReusePlan:
         return self.reused_tokens / max(1, self.prompt_tokens - self.exact_len)
 
 
-DecisionKind = Literal["exact", "plan", "decline"]
+class DecisionKind(enum.StrEnum):
+    """What a lookup decided (:attr:`Decision.kind`)."""
+
+    EXACT = "exact"
+    PLAN = "plan"
+    DECLINE = "decline"
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Result of a lookup. ``kind``: exact (let the engine's exact path run), plan (materialize
-    ``plan``), decline (run the normal prefill; ``reason`` says why). ``evidence`` carries the plan
-    that was found but not to be materialized (discovery_only mode)."""
+    ``plan``), decline (run the normal prefill; ``reason`` says why). ``plan`` is set iff the
+    kind is a plan (ValueError otherwise); ``evidence`` carries the plan that was found but not
+    to be materialized (discovery_only mode). Build with :meth:`exact`, :meth:`decline` or
+    :func:`build_plan`."""
 
     kind: DecisionKind
     reason: str
     plan: ReusePlan | None = None
     evidence: ReusePlan | None = field(default=None, compare=True)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", DecisionKind(self.kind))
+        if (self.kind is DecisionKind.PLAN) != (self.plan is not None):
+            raise ValueError(
+                f"a {self.kind} decision {'needs' if self.plan is None else 'may not carry'} a plan"
+            )
+
     @staticmethod
     def exact(reason: str = Reason.EXACT_SUFFICIENT) -> Decision:
         """The exact route."""
-        return Decision("exact", reason)
+        return Decision(DecisionKind.EXACT, reason)
 
     @staticmethod
     def decline(reason: str, evidence: ReusePlan | None = None) -> Decision:
         """A decline with its reason."""
-        return Decision("decline", reason, None, evidence)
+        return Decision(DecisionKind.DECLINE, reason, None, evidence)
 
 
 def prefilter(config: Config, n_tokens: int, exact_len: int) -> Decision | None:
@@ -262,4 +275,4 @@ def build_plan(
         similarity=similarity,
         span_donors=() if len(per_donor) == 1 else kept_donors,
     )
-    return Decision("plan", Reason.PLANNED, plan)
+    return Decision(DecisionKind.PLAN, Reason.PLANNED, plan)

@@ -5,13 +5,22 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semblend_sglang.align import Span, align
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.plan import Reason, build_plan, cover, prefilter, trim_spans
+from semblend_sglang.plan import (
+    Decision,
+    DecisionKind,
+    Reason,
+    build_plan,
+    cover,
+    prefilter,
+    trim_spans,
+)
 
 NS = Namespace("m")
 
@@ -35,6 +44,22 @@ def test_prefilter_gates() -> None:
     assert prefilter(Config(), 1000, 1000).kind == "exact"
     assert prefilter(Config(exact_sufficient_ratio=1.0), 1000, 999) is None
     assert prefilter(Config(), 1000, 0) is None
+
+
+def test_a_decision_carries_a_plan_iff_it_is_a_plan() -> None:
+    planned = plan(Config(min_prompt_tokens=64), (Span(0, 0, 900),), 1000)
+    assert planned.kind is DecisionKind.PLAN and planned.plan is not None
+    assert planned.kind == "plan"  # a StrEnum: compares equal to its value
+    assert Decision("plan", Reason.PLANNED, planned.plan).kind is DecisionKind.PLAN
+    with pytest.raises(ValueError, match="a plan decision needs a plan"):
+        Decision(DecisionKind.PLAN, Reason.PLANNED)
+    with pytest.raises(ValueError, match="may not carry a plan"):
+        Decision(DecisionKind.DECLINE, Reason.NO_DONOR, planned.plan)
+    with pytest.raises(ValueError):
+        Decision("maybe", Reason.NO_DONOR)  # type: ignore[arg-type]
+    evidence = Decision.decline(Reason.DISCOVERY_ONLY, evidence=planned.plan)
+    assert evidence.kind is DecisionKind.DECLINE and evidence.plan is None
+    assert evidence.evidence is planned.plan
 
 
 def test_sink_page_alignment_and_last_token() -> None:
