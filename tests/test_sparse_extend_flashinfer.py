@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from semblend_sglang.patches.sglang.split_view import split_view_of
 from tests.harness.attention_backend import ATOL, reference
 from tests.sparse_extend_batches import random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted
@@ -163,7 +164,7 @@ def test_sparse_batches_match_reference_flashinfer_paged_standin(
     paged = backend.prefill_wrappers_paged[0]
     assert [r["causal"] for r in paged.runs] == [True]
     plan = paged.plans[-1]
-    seqs = hooks.split_view_of(fi.extend_batch(batch)).sequences
+    seqs = split_view_of(fi.extend_batch(batch)).sequences
     assert plan["qo_indptr"].numel() == len(seqs.seq) + 1 > batch.seq_lens.numel() + 1
 
 

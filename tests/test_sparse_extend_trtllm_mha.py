@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from semblend_sglang.patches.sglang.split_view import split_view_of
 from tests.harness.attention_backend import ATOL, reference
 from tests.sparse_extend_batches import random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted
@@ -110,7 +111,7 @@ def test_sparse_batches_match_reference_trtllm_context_standin(
     backend = fi.trtllm(batch, page_size)
     out = fi.forward(backend, batch)
     torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
-    seqs = hooks.split_view_of(fi.extend_batch(batch)).sequences
+    seqs = split_view_of(fi.extend_batch(batch)).sequences
     assert backend.forward_metadata.cache_seqlens_int32.tolist() == seqs.seq
 
 

@@ -58,16 +58,17 @@ from semblend_sglang.kernels.sparse_extend_triton import (
 from semblend_sglang.plan import Reason
 
 from .split_hooks import (
+    BUILT_ATTR,
     SparseExtendUnsupported,
     SparsePath,
-    check_causal_layer,
+    SplitDifference,
     count_sparse_batch,
     is_plain_extend,
     scratch_room,
-    split_batch,
+    split_view_wrappers,
 )
 from .split_view import batch_lens, is_sparse_batch, split_is_cheaper, split_view_of
-from .wrapping import Originals, install_wrappers, restore
+from .wrapping import Originals, Wrappers, install_wrappers, restore
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ TRITON_SCRATCH = ("kv_indptr", "qo_indptr", "mask_indptr")
 
 def _mask_metadata(backend: Any, forward_batch: Any) -> None:
     """Replace the extend metadata SGLang just built for the real batch with the position-mask
-    metadata (:func:`build_sparse_extend_metadata`) and mark it as the mask path's."""
+    metadata (:func:`build_sparse_extend_metadata`)."""
     info = query_positions(forward_batch)
     if info is None:
         raise SparseExtendUnsupported("triton: sparse extend without query positions")
@@ -299,7 +300,6 @@ def _mask_metadata(backend: Any, forward_batch: Any) -> None:
         mask_indptr=md.mask_indptr,
         max_extend_len=md.max_extend_len,
     )
-    backend._semblend_metadata = backend.forward_metadata
 
 
 def _split_chosen(forward_batch: Any, seqs: Any) -> bool:
@@ -310,59 +310,45 @@ def _split_chosen(forward_batch: Any, seqs: Any) -> bool:
     return _sparse_path == SparsePath.SPLIT_VIEW.value
 
 
-def _triton_wrappers(triton_cls: type) -> dict[tuple[type, str], Any]:
-    init_metadata = triton_cls.init_forward_metadata
-    init_out_graph = triton_cls.init_forward_metadata_out_graph
-    forward_extend = triton_cls.forward_extend
+def _triton_build(
+    init_metadata: Callable[[Any, Any], Any], backend: Any, forward_batch: Any, view: Any
+) -> tuple[Any, SparsePath]:
+    """triton's metadata for a sparse batch: SGLang's over the split view (its scratch buffers
+    roomy enough) when chosen, else SGLang's for the real batch replaced by the mask's."""
+    seqs = split_view_of(forward_batch).sequences
+    if seqs is not None and _split_chosen(forward_batch, seqs):
+        with scratch_room(backend, TRITON_SCRATCH, view.batch_size + 1):
+            return init_metadata(backend, view), SparsePath.SPLIT_VIEW
+    result = init_metadata(backend, forward_batch)
+    _mask_metadata(backend, forward_batch)
+    return result, SparsePath.POSITION_MASK
+
+
+def _masked(backend: Any) -> bool:
+    """The backend's current metadata is the position mask's (built by :func:`_triton_build`)."""
+    return getattr(backend, BUILT_ATTR, None) is backend.forward_metadata
+
+
+def _triton_extend(backend: Any, forward_batch: Any, view: Any, kw: dict[str, Any]) -> Any:
+    return forward_batch if _masked(backend) else view
+
+
+def _triton_kernel_wrapper(triton_cls: type) -> Wrappers:
     run_kernel = triton_cls._forward_extend_kernel
 
-    def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
-        self._semblend_metadata = None
-        view = split_batch("triton", forward_batch)
-        if view is None:
-            return init_metadata(self, forward_batch)
-        if not _triton_supported(self):
-            raise SparseExtendUnsupported("triton: this backend configuration cannot split")
-        seqs = split_view_of(forward_batch).sequences
-        if seqs is not None and _split_chosen(forward_batch, seqs):
-            count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
-            with scratch_room(self, TRITON_SCRATCH, view.batch_size + 1):
-                return init_metadata(self, view)
-        count_sparse_batch(SparsePath.POSITION_MASK, forward_batch)
-        result = init_metadata(self, forward_batch)
-        _mask_metadata(self, forward_batch)
-        return result
-
-    def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-        if is_sparse_batch(forward_batch):
-            raise SparseExtendUnsupported("triton: sparse extend under a CUDA graph")
-        return init_out_graph(self, forward_batch, *args, **kw)
-
-    def masked(self: Any) -> bool:
-        meta = getattr(self, "_semblend_metadata", None)
-        return meta is not None and meta is self.forward_metadata
-
-    def forward_extend_hook(
-        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
-    ) -> Any:
-        view = split_batch("triton", forward_batch)
-        if view is None:
-            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        check_causal_layer("triton", layer)
-        batch = forward_batch if masked(self) else view
-        return forward_extend(self, q, k, v, layer, batch, *args, **kw)
-
     def forward_extend_kernel_hook(self: Any, layer: Any, *args: Any, **kw: Any) -> Any:
-        if masked(self):
+        if _masked(self):
             kw["skip_prefix_custom_mask"] = SKIP_PREFIX_CUSTOM_MASK
         return run_kernel(self, layer, *args, **kw)
 
-    return {
-        (triton_cls, "init_forward_metadata"): init_forward_metadata_hook,
-        (triton_cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
-        (triton_cls, "forward_extend"): forward_extend_hook,
-        (triton_cls, "_forward_extend_kernel"): forward_extend_kernel_hook,
-    }
+    return {(triton_cls, "_forward_extend_kernel"): forward_extend_kernel_hook}
+
+
+def _triton_wrappers(triton_cls: type) -> Wrappers:
+    difference = SplitDifference(
+        _triton_supported, _triton_build, _triton_extend, _triton_kernel_wrapper
+    )
+    return split_view_wrappers("triton", triton_cls, difference)
 
 
 # ------------------------------------------------------------------------ install / remove

@@ -18,17 +18,10 @@ non-causal layer raises :class:`.split_hooks.SparseExtendUnsupported`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from .split_hooks import (
-    SparseExtendUnsupported,
-    SparsePath,
-    check_causal_layer,
-    count_sparse_batch,
-    split_batch,
-)
-from .split_view import is_sparse_batch
+from .split_hooks import SplitDifference, split_view_wrappers
+from .wrapping import Wrappers
 
 NAME = "fa3"
 
@@ -54,40 +47,7 @@ def fa3_supported(backend: Any) -> bool:
     )
 
 
-def fa3_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]:
-    """Wrappers of ``cls`` (``FlashAttentionBackend``) ``init_forward_metadata``,
-    ``init_forward_metadata_out_graph`` and ``forward_extend``, built from the current
-    originals. Installed by :func:`.attention.install_attention_hooks`; they never change a
-    batch without a sparse request, nor the real batch of one."""
-    init_metadata = cls.init_forward_metadata
-    init_out_graph = cls.init_forward_metadata_out_graph
-    forward_extend = cls.forward_extend
-
-    def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
-        view = split_batch(NAME, forward_batch)
-        if view is None:
-            return init_metadata(self, forward_batch)
-        if not fa3_supported(self):
-            raise SparseExtendUnsupported(f"{NAME}: this backend configuration cannot split")
-        count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
-        return init_metadata(self, view)
-
-    def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-        if is_sparse_batch(forward_batch):
-            raise SparseExtendUnsupported(f"{NAME}: sparse extend under a CUDA graph")
-        return init_out_graph(self, forward_batch, *args, **kw)
-
-    def forward_extend_hook(
-        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
-    ) -> Any:
-        view = split_batch(NAME, forward_batch)
-        if view is None:
-            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        check_causal_layer(NAME, layer)
-        return forward_extend(self, q, k, v, layer, view, *args, **kw)
-
-    return {
-        (cls, "init_forward_metadata"): init_forward_metadata_hook,
-        (cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
-        (cls, "forward_extend"): forward_extend_hook,
-    }
+def fa3_wrappers(cls: type) -> Wrappers:
+    """The split-view wrappers of ``cls`` (``FlashAttentionBackend``): fa3 differs in nothing but
+    :func:`fa3_supported`. Installed by :func:`.attention.install_attention_hooks`."""
+    return split_view_wrappers(NAME, cls, SplitDifference(fa3_supported))

@@ -35,18 +35,14 @@ import torch
 from .split_hooks import (
     SparseExtendUnsupported,
     SparsePath,
-    check_causal_layer,
-    count_sparse_batch,
-    split_batch,
+    SplitDifference,
+    check_built_for_view,
+    split_view_wrappers,
 )
-from .split_view import is_sparse_batch, split_view_of
+from .wrapping import Wrappers
 
 FLASHINFER = "flashinfer"
 TRTLLM_MHA = "trtllm_mha"
-
-SEQUENCES_ATTR = "_semblend_split_sequences"
-"""Backend attribute: the split view's sequences the current metadata was built for (None when
-it was built by SGLang's own code for a batch without a sparse request)."""
 
 
 def _dcp_size() -> int:
@@ -65,15 +61,6 @@ def _reads_translated(backend: Any) -> bool:
     return bool(getattr(translator, "is_translating", False)) or bool(
         getattr(translator, "reads_are_translated", False)
     )
-
-
-def _check_metadata(name: str, backend: Any, forward_batch: Any) -> None:
-    """Raise unless the backend's metadata was built by the hook for this batch's split view."""
-    built = getattr(backend, SEQUENCES_ATTR, None)
-    if built is None or built != split_view_of(forward_batch).sequences:
-        raise SparseExtendUnsupported(
-            f"{name}: sparse extend with metadata not built for its split view"
-        )
 
 
 # -------------------------------------------------------------------------------- flashinfer
@@ -129,61 +116,39 @@ def _updater_room(updater: Any, n: int) -> Iterator[None]:
             setattr(updater, name, value)
 
 
-def flashinfer_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]:
-    """Wrappers of ``cls`` (sglang's ``FlashInferAttnBackend``) built from its current
-    ``init_forward_metadata``, ``init_forward_metadata_out_graph`` and ``forward_extend``, for
-    :func:`.wrapping.install_wrappers`. A batch without a sparse request calls the original
-    unchanged. A sparse one gets paged-path metadata over its split view and runs the original
-    ``forward_extend`` on that view; it raises :class:`SparseExtendUnsupported` on a CUDA-graph
-    metadata path, a configuration :func:`flashinfer_supported` rejects, a non-causal or
-    sliding-window layer, a non-plain forward mode, or metadata not built for its view. The
-    wrappers never change the real batch (the view is a copy) nor the backend's buffers."""
-    init_metadata = cls.init_forward_metadata
-    init_out_graph = cls.init_forward_metadata_out_graph
-    forward_extend = cls.forward_extend
+def _flashinfer_build(
+    init_metadata: Callable[[Any, Any], Any], backend: Any, forward_batch: Any, view: Any
+) -> tuple[Any, SparsePath]:
+    """flashinfer's metadata for a split view: planned on the paged path (``use_paged`` on for
+    the call, the updater's buffers roomy enough); raises if the ragged path was still chosen."""
+    use_paged = backend.use_paged
+    backend.use_paged = True  # use_ragged = False: save this pass's KV, then read the prefix
+    try:
+        with _updater_room(backend.indices_updater_prefill, view.batch_size):
+            result = init_metadata(backend, view)
+    finally:
+        backend.use_paged = use_paged
+    if getattr(backend.forward_metadata, "use_ragged", True):
+        raise SparseExtendUnsupported(f"{FLASHINFER}: the ragged path was chosen")
+    return result, SparsePath.SPLIT_VIEW
 
-    def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
-        setattr(self, SEQUENCES_ATTR, None)
-        view = split_batch(FLASHINFER, forward_batch)
-        if view is None:
-            return init_metadata(self, forward_batch)
-        if not flashinfer_supported(self):
-            raise SparseExtendUnsupported(f"{FLASHINFER}: this backend configuration cannot split")
-        use_paged = self.use_paged
-        self.use_paged = True  # use_ragged = False: save this pass's KV, then read the prefix
-        try:
-            with _updater_room(self.indices_updater_prefill, view.batch_size):
-                result = init_metadata(self, view)
-        finally:
-            self.use_paged = use_paged
-        if getattr(self.forward_metadata, "use_ragged", True):
-            raise SparseExtendUnsupported(f"{FLASHINFER}: the ragged path was chosen")
-        setattr(self, SEQUENCES_ATTR, split_view_of(forward_batch).sequences)
-        count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
-        return result
 
-    def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-        if is_sparse_batch(forward_batch):
-            raise SparseExtendUnsupported(f"{FLASHINFER}: sparse extend under a CUDA graph")
-        return init_out_graph(self, forward_batch, *args, **kw)
+def _flashinfer_extend(backend: Any, forward_batch: Any, view: Any, kw: dict[str, Any]) -> Any:
+    check_built_for_view(FLASHINFER, backend, forward_batch)
+    if getattr(backend.forward_metadata, "use_ragged", True):
+        raise SparseExtendUnsupported(f"{FLASHINFER}: sparse extend on the ragged path")
+    return view
 
-    def forward_extend_hook(
-        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
-    ) -> Any:
-        view = split_batch(FLASHINFER, forward_batch)
-        if view is None:
-            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        check_causal_layer(FLASHINFER, layer)
-        _check_metadata(FLASHINFER, self, forward_batch)
-        if getattr(self.forward_metadata, "use_ragged", True):
-            raise SparseExtendUnsupported(f"{FLASHINFER}: sparse extend on the ragged path")
-        return forward_extend(self, q, k, v, layer, view, *args, **kw)
 
-    return {
-        (cls, "init_forward_metadata"): init_forward_metadata_hook,
-        (cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
-        (cls, "forward_extend"): forward_extend_hook,
-    }
+def flashinfer_wrappers(cls: type) -> Wrappers:
+    """The split-view wrappers of ``cls`` (sglang's ``FlashInferAttnBackend``): metadata planned
+    on the paged path over the view, and ``forward_extend`` refused on metadata not built for its
+    view or on the ragged path. Installed by :func:`.attention.install_attention_hooks`."""
+    return split_view_wrappers(
+        FLASHINFER,
+        cls,
+        SplitDifference(flashinfer_supported, _flashinfer_build, _flashinfer_extend),
+    )
 
 
 # -------------------------------------------------------------------------------- trtllm_mha
@@ -214,51 +179,27 @@ def _cp_active(forward_batch: Any) -> bool:
     return bool(is_cp_active(forward_batch))
 
 
-def trtllm_mha_wrappers(cls: type) -> dict[tuple[type, str], Callable[..., Any]]:
-    """Wrappers of ``cls`` (sglang's ``TRTLLMHAAttnBackend``) built from its current
-    ``init_forward_metadata``, ``init_forward_metadata_out_graph`` and ``forward_extend``. A batch
-    without a sparse request calls the original unchanged; a sparse one runs both originals on
-    its split view. Raises :class:`SparseExtendUnsupported` for a sparse batch on a CUDA-graph
-    metadata path, under context parallelism, on a configuration :func:`trtllm_mha_supported`
-    rejects, on a non-causal or sliding-window layer, in a non-plain forward mode, or with
-    metadata not built for its view. Never changes the real batch."""
-    init_metadata = cls.init_forward_metadata
-    init_out_graph = cls.init_forward_metadata_out_graph
-    forward_extend = cls.forward_extend
+def _trtllm_mha_build(
+    init_metadata: Callable[[Any, Any], Any], backend: Any, forward_batch: Any, view: Any
+) -> tuple[Any, SparsePath]:
+    if _cp_active(forward_batch):
+        raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend under context parallelism")
+    return init_metadata(backend, view), SparsePath.SPLIT_VIEW
 
-    def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
-        setattr(self, SEQUENCES_ATTR, None)
-        view = split_batch(TRTLLM_MHA, forward_batch)
-        if view is None:
-            return init_metadata(self, forward_batch)
-        if not trtllm_mha_supported(self):
-            raise SparseExtendUnsupported(f"{TRTLLM_MHA}: this backend configuration cannot split")
-        if _cp_active(forward_batch):
-            raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend under context parallelism")
-        result = init_metadata(self, view)
-        setattr(self, SEQUENCES_ATTR, split_view_of(forward_batch).sequences)
-        count_sparse_batch(SparsePath.SPLIT_VIEW, forward_batch)
-        return result
 
-    def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-        if is_sparse_batch(forward_batch):
-            raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend under a CUDA graph")
-        return init_out_graph(self, forward_batch, *args, **kw)
+def _trtllm_mha_extend(backend: Any, forward_batch: Any, view: Any, kw: dict[str, Any]) -> Any:
+    check_built_for_view(TRTLLM_MHA, backend, forward_batch)
+    if kw.get("sinks") is not None:
+        raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend with attention sinks")
+    return view
 
-    def forward_extend_hook(
-        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
-    ) -> Any:
-        view = split_batch(TRTLLM_MHA, forward_batch)
-        if view is None:
-            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
-        check_causal_layer(TRTLLM_MHA, layer)
-        _check_metadata(TRTLLM_MHA, self, forward_batch)
-        if kw.get("sinks") is not None:
-            raise SparseExtendUnsupported(f"{TRTLLM_MHA}: sparse extend with attention sinks")
-        return forward_extend(self, q, k, v, layer, view, *args, **kw)
 
-    return {
-        (cls, "init_forward_metadata"): init_forward_metadata_hook,
-        (cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
-        (cls, "forward_extend"): forward_extend_hook,
-    }
+def trtllm_mha_wrappers(cls: type) -> Wrappers:
+    """The split-view wrappers of ``cls`` (sglang's ``TRTLLMHAAttnBackend``): refused under
+    context parallelism, on metadata not built for its view, and with attention sinks.
+    Installed by :func:`.attention.install_attention_hooks`."""
+    return split_view_wrappers(
+        TRTLLM_MHA,
+        cls,
+        SplitDifference(trtllm_mha_supported, _trtllm_mha_build, _trtllm_mha_extend),
+    )

@@ -2,9 +2,9 @@
 
 On CUDA, SGLang replays prefill batches through ``PrefillCudaGraphRunner`` by default (the
 breakable backend), whose attention metadata comes from ``init_forward_metadata_out_graph``
-for the real batch: it cannot carry the split view. These wrappers make the runner's
-``can_run_graph`` say no for such a batch (the model runner then runs it eagerly, through the
-hooked ``init_forward_metadata``), and, under DP attention, make this rank's schedule-time vote
+for the real batch (the rule: :func:`.split_hooks.graph_can_carry`). These wrappers make the
+runner's ``can_run_graph`` say no for such a batch (the model runner then runs it eagerly,
+through the hooked ``init_forward_metadata``), and, under DP attention, make this rank's vote
 for the graph (``dp_attn._local_prefill_cuda_graph_vote``, min-reduced across ranks) no for a
 batch with a sparse request, so every rank runs that step eagerly together. Ordinary batches keep
 SGLang's answer. Installed by the 0.5.23 adapter's hook table; never raises on its own.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import one_pass
-from .split_view import is_sparse_batch
+from .split_hooks import graph_can_carry
 from .wrapping import Wrappers
 
 
@@ -32,9 +32,7 @@ def prefill_graph_wrappers(runner: type, dp_attn: Any) -> Wrappers:
     vote: Callable[..., bool] = dp_attn._local_prefill_cuda_graph_vote
 
     def can_run_graph_hook(self: Any, forward_batch: Any) -> bool:
-        if is_sparse_batch(forward_batch):
-            return False
-        return can_run_graph(self, forward_batch)
+        return graph_can_carry(forward_batch) and can_run_graph(self, forward_batch)
 
     def vote_hook(*args: Any, **kwargs: Any) -> bool:
         if _sparse_schedule_batch(kwargs.get("local_batch")):

@@ -1,23 +1,28 @@
 """What every attention backend's sparse-extend hooks share: the error a sparse batch raises on a
-path that cannot carry it, the split view of a batch, the causal-layer check, and room in a
-backend's per-sequence scratch buffers for a view with more sequences than SGLang sized them for.
+path that cannot carry it, the split view of a batch, the causal-layer check, the CUDA-graph
+rule, room in a backend's per-sequence scratch buffers for a view with more sequences than SGLang
+sized them for, and the one factory of the split-view wrappers (:func:`split_view_wrappers`),
+given what a backend does differently (:class:`SplitDifference`).
 
 Callers: the per-backend hook modules (:mod:`.attention`, :mod:`.attention_fa3`,
-:mod:`.attention_flashinfer`). Nothing here changes SGLang or the batch it is given.
+:mod:`.attention_flashinfer`) and :mod:`.prefill_graph`. Nothing here changes SGLang or the batch
+it is given.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from .split_view import is_sparse_batch, split_view_of
+from .wrapping import Wrappers
 
 
 class SparsePath(enum.StrEnum):
@@ -115,3 +120,108 @@ def scratch_room(backend: Any, names: tuple[str, ...], length: int) -> Iterator[
     finally:
         for name, buf in saved.items():
             setattr(backend, name, buf)
+
+
+def graph_can_carry(forward_batch: Any) -> bool:
+    """The CUDA-graph rule: a batch holding a sparse request never runs CUDA-graph attention
+    metadata (it is built for the real batch and cannot carry the split view). Read by every
+    split-view backend's ``init_forward_metadata_out_graph`` wrapper and by
+    :mod:`.prefill_graph`."""
+    return not is_sparse_batch(forward_batch)
+
+
+BUILT_ATTR = "_semblend_built_for"
+"""Backend attribute: what its current metadata was built for by :func:`split_view_wrappers`
+(the split view's sequences, or the position-mask metadata object); None when SGLang's own code
+built it for a batch without a sparse request."""
+
+MetadataBuild = Callable[[Callable[[Any, Any], Any], Any, Any, Any], tuple[Any, SparsePath]]
+"""(SGLang's ``init_forward_metadata``, backend, real batch, its split view's batch) -> (the
+original's result, the path taken). May raise :class:`SparseExtendUnsupported`."""
+
+ExtendBatch = Callable[[Any, Any, Any, dict[str, Any]], Any]
+"""(backend, real batch, split view's batch, ``forward_extend``'s keywords) -> the batch the
+original ``forward_extend`` runs on. May raise :class:`SparseExtendUnsupported`."""
+
+
+def build_on_view(
+    init_metadata: Callable[[Any, Any], Any], backend: Any, forward_batch: Any, view: Any
+) -> tuple[Any, SparsePath]:
+    """The default :data:`MetadataBuild`: SGLang's metadata code run on the split view."""
+    return init_metadata(backend, view), SparsePath.SPLIT_VIEW
+
+
+def extend_on_view(backend: Any, forward_batch: Any, view: Any, kw: dict[str, Any]) -> Any:
+    """The default :data:`ExtendBatch`: the split view's batch."""
+    return view
+
+
+def check_built_for_view(name: str, backend: Any, forward_batch: Any) -> None:
+    """Raise unless ``backend``'s metadata was built by its wrapper for this batch's split view."""
+    built = getattr(backend, BUILT_ATTR, None)
+    if built is None or built != split_view_of(forward_batch).sequences:
+        raise SparseExtendUnsupported(
+            f"{name}: sparse extend with metadata not built for its split view"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitDifference:
+    """What one backend's wrappers do beyond the common three (:func:`split_view_wrappers`): its
+    configuration predicate, how its metadata is built for a sparse batch, which batch its
+    ``forward_extend`` runs on, and any wrappers of other methods (built from ``cls``)."""
+
+    supported: Callable[[Any], bool]
+    build: MetadataBuild = build_on_view
+    extend: ExtendBatch = extend_on_view
+    extra: Callable[[type], Wrappers] | None = None
+
+
+def split_view_wrappers(name: str, cls: type, diff: SplitDifference) -> Wrappers:
+    """Wrappers of ``cls``'s ``init_forward_metadata``, ``init_forward_metadata_out_graph`` and
+    ``forward_extend`` (plus ``diff.extra``), built from the current originals for
+    :func:`.wrapping.install_wrappers`. A batch without a sparse request calls each original
+    unchanged. A sparse one gets ``diff.build``'s metadata (after ``diff.supported``) and runs
+    the original ``forward_extend`` on ``diff.extend``'s batch; it raises
+    :class:`SparseExtendUnsupported` naming ``name`` on a configuration ``diff.supported``
+    rejects, under CUDA-graph metadata (:func:`graph_can_carry`), on a non-causal or
+    sliding-window layer, or in a non-plain forward mode. The real batch is never changed."""
+    init_metadata = cls.init_forward_metadata
+    init_out_graph = cls.init_forward_metadata_out_graph
+    forward_extend = cls.forward_extend
+
+    def init_forward_metadata_hook(self: Any, forward_batch: Any) -> Any:
+        setattr(self, BUILT_ATTR, None)
+        view = split_batch(name, forward_batch)
+        if view is None:
+            return init_metadata(self, forward_batch)
+        if not diff.supported(self):
+            raise SparseExtendUnsupported(f"{name}: this backend configuration cannot split")
+        result, path = diff.build(init_metadata, self, forward_batch, view)
+        split = path is SparsePath.SPLIT_VIEW
+        built = split_view_of(forward_batch).sequences if split else self.forward_metadata
+        setattr(self, BUILT_ATTR, built)
+        count_sparse_batch(path, forward_batch)
+        return result
+
+    def init_out_graph_hook(self: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
+        if not graph_can_carry(forward_batch):
+            raise SparseExtendUnsupported(f"{name}: sparse extend under a CUDA graph")
+        return init_out_graph(self, forward_batch, *args, **kw)
+
+    def forward_extend_hook(
+        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        view = split_batch(name, forward_batch)
+        if view is None:
+            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+        check_causal_layer(name, layer)
+        batch = diff.extend(self, forward_batch, view, kw)
+        return forward_extend(self, q, k, v, layer, batch, *args, **kw)
+
+    wrappers: Wrappers = {
+        (cls, "init_forward_metadata"): init_forward_metadata_hook,
+        (cls, "init_forward_metadata_out_graph"): init_out_graph_hook,
+        (cls, "forward_extend"): forward_extend_hook,
+    }
+    return {**wrappers, **(diff.extra(cls) if diff.extra else {})}
