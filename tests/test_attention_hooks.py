@@ -24,7 +24,9 @@ from sglang.srt.layers.attention.torch_native_backend import (  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
-from semblend_sglang.patches.sglang import attention  # noqa: E402
+from semblend_sglang.patches.sglang import attention, attention_torch_native  # noqa: E402
+from semblend_sglang.patches.sglang.split_hooks import SparseExtendUnsupported  # noqa: E402
+from semblend_sglang.patches.sglang.split_view import is_sparse_batch  # noqa: E402
 
 SHIPPED_FORWARD_EXTEND = TorchNativeAttnBackend.forward_extend
 SHIPPED_RUN_SDPA = TorchNativeAttnBackend._run_sdpa_forward_extend
@@ -53,7 +55,7 @@ def test_every_extend_equals_sglang_on_ordinary_batches(hooks: None, seed: int):
 def test_sparse_batches_equal_the_reference(hooks: None, seed: int, every_extend: bool):
     attention.set_query_only_every_extend(every_extend)
     batch = random_batch(seed, n_requests=5, heads=[(6, 2), (4, 4), (8, 1), (6, 3)][seed])
-    assert attention.is_sparse_batch(forward_batch(batch))
+    assert is_sparse_batch(forward_batch(batch))
     torch.testing.assert_close(forward(batch), reference(batch), atol=ATOL, rtol=0)
 
 
@@ -68,7 +70,7 @@ def test_a_sparse_batch_runs_query_only_an_ordinary_one_sglangs_sdpa(
     seen: list[list[int]] = []
     masked: list[int] = []
     hooked = TorchNativeAttnBackend._run_sdpa_forward_extend
-    real_query_only = attention.extend_attention_query_only
+    real_query_only = attention_torch_native.extend_attention_query_only
 
     def spy(self: Any, *args: Any, **kw: Any) -> Any:
         seen.append(args[6].tolist())  # seq_lens
@@ -79,7 +81,7 @@ def test_a_sparse_batch_runs_query_only_an_ordinary_one_sglangs_sdpa(
         return real_query_only(*args, **kw)
 
     monkeypatch.setattr(TorchNativeAttnBackend, "_run_sdpa_forward_extend", spy)
-    monkeypatch.setattr(attention, "extend_attention_query_only", query_only_spy)
+    monkeypatch.setattr(attention_torch_native, "extend_attention_query_only", query_only_spy)
     counts = sparse_batch_counts()
     few = random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse_runs",) * 3)
     many = random_batch(3, n_requests=4, kinds=("sparse", "cold", "exact", "sparse_chunk"))
@@ -100,13 +102,13 @@ def test_ordinary_batches_keep_sglangs_path_unless_every_extend(
     hooks: None, monkeypatch: pytest.MonkeyPatch
 ):
     calls: list[int] = []
-    real = attention.extend_attention_query_only
+    real = attention_torch_native.extend_attention_query_only
 
     def spy(*args: Any, **kw: Any) -> Any:
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(attention, "extend_attention_query_only", spy)
+    monkeypatch.setattr(attention_torch_native, "extend_attention_query_only", spy)
     ordinary = random_batch(1, kinds=("cold", "exact"))
     forward(ordinary)
     assert calls == []
@@ -126,11 +128,11 @@ def test_unprovable_layers_keep_sglangs_path_or_refuse(hooks: None, every_extend
     attention.install_attention_hooks(triton=False)
     attention.set_query_only_every_extend(every_extend)
     torch.testing.assert_close(forward(ordinary, sliding_window_size=5), shipped, atol=0, rtol=0)
-    with pytest.raises(attention.SparseExtendUnsupported):
+    with pytest.raises(SparseExtendUnsupported):
         forward(sparse, sliding_window_size=5)
-    with pytest.raises(attention.SparseExtendUnsupported):
+    with pytest.raises(SparseExtendUnsupported):
         forward(sparse, attn_type=AttentionType.ENCODER_ONLY)
-    with pytest.raises(attention.SparseExtendUnsupported):
+    with pytest.raises(SparseExtendUnsupported):
         forward(sparse, fb=forward_batch(sparse, positions=None))
     # An ordinary batch needs no positions: its queries sit at [m, n) as in sglang.
     torch.testing.assert_close(
@@ -208,7 +210,7 @@ def test_plugin_applies_the_cpu_switch_without_semblend_enabled(
     try:
         load_plugin()
         assert attention.hooks_installed("torch_native") is applied
-        assert attention.query_only_every_extend() is applied
+        assert attention_torch_native.query_only_every_extend() is applied
         assert installed_adapter() is None  # the radix-cache patch stays off
     finally:
         attention.remove_attention_hooks()

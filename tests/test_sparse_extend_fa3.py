@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from patches.sglang.split_hooks import SparseExtendUnsupported
 from tests.harness import fa3_backend
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import KINDS, random_batch
@@ -129,15 +130,15 @@ def test_refusals_name_fa3(hooks: Any):
     batch = random_batch(3, n_requests=2, kinds=("sparse", "cold"))
     fa3 = fa3_backend.backend(batch)
     for kw in ({"sliding_window_size": 8}, {"attn_type": AttentionType.ENCODER_ONLY}):
-        with pytest.raises(attention.SparseExtendUnsupported, match="fa3"):
+        with pytest.raises(SparseExtendUnsupported, match="fa3"):
             fa3_backend.forward(batch, fa3, forward_batch(batch), **kw)
-    with pytest.raises(attention.SparseExtendUnsupported, match="fa3: sparse extend under"):
+    with pytest.raises(SparseExtendUnsupported, match="fa3: sparse extend under"):
         fa3.init_forward_metadata_out_graph(forward_batch(batch))
     for name, value in (("use_mla", True), ("fa_impl_ver", 4), ("fa_skip_kv_cache", True)):
         other = fa3_backend.backend(batch)
         setattr(other, name, value)
         assert not attention.sparse_extend_supported(other)
-        with pytest.raises(attention.SparseExtendUnsupported, match="fa3: this backend"):
+        with pytest.raises(SparseExtendUnsupported, match="fa3: this backend"):
             other.init_forward_metadata(forward_batch(batch))
     ordinary = random_batch(3, n_requests=2, kinds=("cold", "exact"))
     out = fa3_backend.forward(

@@ -298,17 +298,18 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_flashinfer_standin(hooks:
 
 
 def test_supported_configurations(sglang_flashinfer: Any):
-    """flashinfer_supported: False (never raising) for what the hooks refuse."""
+    """flashinfer_supported: False for what only flashinfer refuses; with the common refusals
+    (attention.backend_serves), never raising."""
     from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
 
-    from semblend_sglang.patches.sglang.attention_flashinfer import flashinfer_supported
+    from semblend_sglang.patches.sglang.attention import backend_serves
+    from semblend_sglang.patches.sglang.attention_flashinfer import HOOKED, flashinfer_supported
     from tests.harness import flashinfer_backend as fi
 
     batch = random_batch(0, n_requests=2, kinds=("cold",))
     assert flashinfer_supported(fi.flashinfer(batch))
     for name, value in [
         ("dispatch_reason", WrapperDispatch.CROSS_ATTENTION),
-        ("use_sliding_window_kv_pool", True),
         ("enable_mis", True),
         ("is_dllm_model", True),
         ("prefill_uses_dequant_workspace", True),
@@ -318,10 +319,13 @@ def test_supported_configurations(sglang_flashinfer: Any):
         backend = fi.flashinfer(batch)
         setattr(backend, name, value)
         assert not flashinfer_supported(backend), name
+    pooled = fi.flashinfer(batch)
+    pooled.use_sliding_window_kv_pool = True  # a common refusal, not the backend's own
+    assert flashinfer_supported(pooled) and not backend_serves(HOOKED, pooled)
 
     class Broken:
         @property
         def skip_prefill(self) -> bool:
             raise RuntimeError("boom")
 
-    assert flashinfer_supported(Broken()) is False
+    assert backend_serves(HOOKED, Broken()) is False

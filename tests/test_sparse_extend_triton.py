@@ -17,6 +17,8 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     SKIP_PREFIX_CUSTOM_MASK,
     build_sparse_extend_metadata,
 )
+from semblend_sglang.patches.sglang.split_hooks import SparseExtendUnsupported
+from semblend_sglang.patches.sglang.split_view import split_is_cheaper, split_view_of
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import Batch, random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted
@@ -189,9 +191,7 @@ def test_real_triton_backend_matches_reference_on_either_path(hooks: Any, seed: 
     triton = triton_backend.backend(batch)
     out = triton_backend.forward(batch, triton=triton)
     torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
-    split = hooks.split_is_cheaper(
-        forward_batch(batch), hooks.split_view_of(forward_batch(batch)).sequences
-    )
+    split = split_is_cheaper(forward_batch(batch), split_view_of(forward_batch(batch)).sequences)
     assert (triton.forward_metadata.custom_mask is None) is split
 
 
@@ -218,7 +218,7 @@ def test_a_pinned_sparse_path_runs_whatever_its_tile_work(hooks: Any, pinned: st
 def test_few_long_runs_split_and_many_short_runs_mask():
     """The tile-work choice: three long runs per request cost less split; a position every other
     token costs less masked (each run would read its whole prefix again)."""
-    from semblend_sglang.patches.sglang.split_view import split_is_cheaper, split_sequences
+    from semblend_sglang.patches.sglang.split_view import split_sequences
 
     few = forward_batch(
         random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse_runs",) * 3)
@@ -258,9 +258,9 @@ def test_more_runs_than_the_request_pool_has_rows(hooks: Any):
         14, n_requests=3, min_len=260, max_len=320, heads=(2, 1), kinds=("sparse_runs",) * 3
     )
     fb = forward_batch(batch)
-    seqs = hooks.split_view_of(fb).sequences
+    seqs = split_view_of(fb).sequences
     assert seqs is not None and len(seqs.seq) > 4  # more runs than max_bs below
-    assert hooks.split_is_cheaper(fb, seqs)
+    assert split_is_cheaper(fb, seqs)
     triton = triton_backend.backend(batch, max_bs=4)
     buffers = (triton.kv_indptr, triton.qo_indptr, triton.mask_indptr)
     out = triton_backend.forward(batch, triton=triton, fb=fb)
@@ -323,8 +323,8 @@ def test_hooks_refuse_what_the_split_view_cannot_carry(hooks: Any, what: str):
     elif what == "no_positions":
         fb = forward_batch(sparse, positions=None)
     if what == "graph":
-        with pytest.raises(hooks.SparseExtendUnsupported):
+        with pytest.raises(SparseExtendUnsupported):
             triton.init_forward_metadata_out_graph(fb)
         return
-    with pytest.raises(hooks.SparseExtendUnsupported):
+    with pytest.raises(SparseExtendUnsupported):
         triton_backend.forward(sparse, triton=triton, fb=fb, **layer_kw)

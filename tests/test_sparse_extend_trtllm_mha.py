@@ -58,12 +58,12 @@ def sglang_trtllm(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def hooks(sglang_trtllm: Any) -> Iterator[Any]:
-    from semblend_sglang.patches.sglang import attention, attention_flashinfer
+    from semblend_sglang.patches.sglang import attention, attention_trtllm_mha
 
     attention.install_attention_hooks(triton=False, gpu_backends=("trtllm_mha",))
     try:
         assert attention.hooks_installed("trtllm_mha")
-        yield attention_flashinfer
+        yield attention_trtllm_mha
     finally:
         attention.remove_attention_hooks()
 
@@ -235,8 +235,10 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_trtllm_standin(hooks: Any
 
 
 def test_supported_configurations(sglang_trtllm: Any):
-    """trtllm_mha_supported: False (never raising) for what the hooks refuse."""
-    from semblend_sglang.patches.sglang.attention_flashinfer import trtllm_mha_supported
+    """trtllm_mha_supported: False for what only trtllm_mha refuses; with the common refusals
+    (attention.backend_serves), never raising."""
+    from semblend_sglang.patches.sglang.attention import backend_serves
+    from semblend_sglang.patches.sglang.attention_trtllm_mha import HOOKED, trtllm_mha_supported
     from tests.harness import flashinfer_backend as fi
 
     batch = random_batch(0, n_requests=2, kinds=("cold",))
@@ -246,16 +248,18 @@ def test_supported_configurations(sglang_trtllm: Any):
         ("prefill_uses_native_fp4", True),
         ("data_type", torch.float8_e4m3fn),
         ("_swa_kv_pool", object()),
-        ("use_sliding_window_kv_pool", True),
         ("skip_prefill", True),
     ]:
         backend = fi.trtllm(batch, 16)
         setattr(backend, name, value)
         assert not trtllm_mha_supported(backend), name
+    pooled = fi.trtllm(batch, 16)
+    pooled.use_sliding_window_kv_pool = True  # a common refusal, not the backend's own
+    assert trtllm_mha_supported(pooled) and not backend_serves(HOOKED, pooled)
 
     class Broken:
         @property
         def skip_prefill(self) -> bool:
             raise RuntimeError("boom")
 
-    assert trtllm_mha_supported(Broken()) is False
+    assert backend_serves(HOOKED, Broken()) is False

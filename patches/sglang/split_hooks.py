@@ -2,10 +2,11 @@
 path that cannot carry it, the split view of a batch, the causal-layer check, the CUDA-graph
 rule, room in a backend's per-sequence scratch buffers for a view with more sequences than SGLang
 sized them for, and the one factory of the split-view wrappers (:func:`split_view_wrappers`),
-given what a backend does differently (:class:`SplitDifference`).
+given what a backend does differently (:class:`SplitDifference`), and :class:`HookedBackend`,
+one backend as data.
 
-Callers: the per-backend hook modules (:mod:`.attention`, :mod:`.attention_fa3`,
-:mod:`.attention_flashinfer`) and :mod:`.prefill_graph`. Nothing here changes SGLang or the batch
+Callers: the per-backend modules ``attention_<name>``, :mod:`.attention` (the registry) and
+:mod:`.prefill_graph`. Nothing here changes SGLang or the batch
 it is given.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .split_view import is_sparse_batch, split_view_of
+from .split_view import batch_lens, is_sparse_batch, split_view_of
 from .wrapping import Wrappers
 
 
@@ -71,6 +72,38 @@ def is_plain_extend(forward_batch: Any) -> bool:
     """True for an EXTEND or MIXED batch (not a draft, verify, idle or split-prefill one)."""
     mode = forward_batch.forward_mode
     return bool(mode.is_extend()) and (mode.name in ("EXTEND", "MIXED"))
+
+
+def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
+    """(position of every computed token, batch is sparse), or None when they cannot be known.
+
+    Ordinary requests get ``arange(m, n)`` (SGLang's own query placement); sparse requests get
+    their segment of ``forward_batch.positions``, which must then be 1-D with one entry per
+    computed token. None for a batch that is not EXTEND/MIXED, has encoder lens, lacks the length
+    fields, or has a sparse request without usable positions. Read by the position-mask paths.
+    """
+    if not is_plain_extend(forward_batch) or forward_batch.encoder_lens is not None:
+        return None
+    lens = batch_lens(forward_batch)
+    if lens is None:
+        return None
+    prefix, extend, seq = lens
+    sparse = [m + c != n for m, c, n in zip(prefix, extend, seq, strict=True)]
+    positions = forward_batch.positions
+    if any(sparse) and (
+        positions is None or positions.dim() != 1 or positions.shape[0] != sum(extend)
+    ):
+        return None
+    device = forward_batch.seq_lens.device
+    parts, start = [], 0
+    for m, c, is_sparse in zip(prefix, extend, sparse, strict=True):
+        if is_sparse:
+            parts.append(positions[start : start + c].to(device=device, dtype=torch.int64))
+        else:
+            parts.append(torch.arange(m, m + c, device=device, dtype=torch.int64))
+        start += c
+    qpos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+    return qpos, any(sparse)
 
 
 def split_batch(backend: str, forward_batch: Any) -> Any | None:
@@ -137,23 +170,13 @@ built it for a batch without a sparse request."""
 
 MetadataBuild = Callable[[Callable[[Any, Any], Any], Any, Any, Any], tuple[Any, SparsePath]]
 """(SGLang's ``init_forward_metadata``, backend, real batch, its split view's batch) -> (the
-original's result, the path taken). May raise :class:`SparseExtendUnsupported`."""
+original's result, the path taken); may raise :class:`SparseExtendUnsupported`. Default: the
+original run on the view."""
 
 ExtendBatch = Callable[[Any, Any, Any, dict[str, Any]], Any]
 """(backend, real batch, split view's batch, ``forward_extend``'s keywords) -> the batch the
-original ``forward_extend`` runs on. May raise :class:`SparseExtendUnsupported`."""
-
-
-def build_on_view(
-    init_metadata: Callable[[Any, Any], Any], backend: Any, forward_batch: Any, view: Any
-) -> tuple[Any, SparsePath]:
-    """The default :data:`MetadataBuild`: SGLang's metadata code run on the split view."""
-    return init_metadata(backend, view), SparsePath.SPLIT_VIEW
-
-
-def extend_on_view(backend: Any, forward_batch: Any, view: Any, kw: dict[str, Any]) -> Any:
-    """The default :data:`ExtendBatch`: the split view's batch."""
-    return view
+original ``forward_extend`` runs on; may raise :class:`SparseExtendUnsupported`. Default: the
+view."""
 
 
 def check_built_for_view(name: str, backend: Any, forward_batch: Any) -> None:
@@ -165,27 +188,52 @@ def check_built_for_view(name: str, backend: Any, forward_batch: Any) -> None:
         )
 
 
+Serves = Callable[[Any], bool]
+"""Whether a backend instance can carry a sparse extend: :mod:`.attention`'s common refusals and
+the backend's own, composed by :func:`.attention.backend_serves`; never raises."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitDifference:
-    """What one backend's wrappers do beyond the common three (:func:`split_view_wrappers`): its
-    configuration predicate, how its metadata is built for a sparse batch, which batch its
-    ``forward_extend`` runs on, and any wrappers of other methods (built from ``cls``)."""
+    """What one backend's wrappers do beyond the common three (:func:`split_view_wrappers`): how
+    its metadata is built for a sparse batch, which batch its ``forward_extend`` runs on, and any
+    wrappers of other methods (built from ``cls``)."""
 
-    supported: Callable[[Any], bool]
-    build: MetadataBuild = build_on_view
-    extend: ExtendBatch = extend_on_view
+    build: MetadataBuild | None = None
+    extend: ExtendBatch | None = None
     extra: Callable[[type], Wrappers] | None = None
 
 
-def split_view_wrappers(name: str, cls: type, diff: SplitDifference) -> Wrappers:
+@dataclasses.dataclass(frozen=True)
+class HookedBackend:
+    """One backend the hooks serve, as data: its ``--attention-backend`` name, its sglang module
+    and class, its own refusals beyond :mod:`.attention`'s common ones, and its difference (a
+    :class:`SplitDifference`, or a function building its own wrappers from the class and its
+    full predicate). Each ``attention_<name>`` module exports one as ``HOOKED``."""
+
+    name: str
+    module: str
+    cls: str
+    supported: Serves
+    difference: SplitDifference | Callable[[type, Serves], Wrappers] = SplitDifference()
+
+    def wrappers(self, cls: type, serves: Serves) -> Wrappers:
+        """The wrappers of ``cls`` (this backend's sglang class) built from its current
+        originals, refusing an instance ``serves`` rejects."""
+        if isinstance(self.difference, SplitDifference):
+            return split_view_wrappers(self.name, cls, serves, self.difference)
+        return self.difference(cls, serves)
+
+
+def split_view_wrappers(name: str, cls: type, serves: Serves, diff: SplitDifference) -> Wrappers:
     """Wrappers of ``cls``'s ``init_forward_metadata``, ``init_forward_metadata_out_graph`` and
     ``forward_extend`` (plus ``diff.extra``), built from the current originals for
     :func:`.wrapping.install_wrappers`. A batch without a sparse request calls each original
-    unchanged. A sparse one gets ``diff.build``'s metadata (after ``diff.supported``) and runs
-    the original ``forward_extend`` on ``diff.extend``'s batch; it raises
-    :class:`SparseExtendUnsupported` naming ``name`` on a configuration ``diff.supported``
-    rejects, under CUDA-graph metadata (:func:`graph_can_carry`), on a non-causal or
-    sliding-window layer, or in a non-plain forward mode. The real batch is never changed."""
+    unchanged. A sparse one gets ``diff.build``'s metadata and runs the original
+    ``forward_extend`` on ``diff.extend``'s batch; it raises :class:`SparseExtendUnsupported`
+    naming ``name`` on an instance ``serves`` rejects, under CUDA-graph metadata
+    (:func:`graph_can_carry`), on a non-causal or sliding-window layer, or in a non-plain
+    forward mode. The real batch is never changed."""
     init_metadata = cls.init_forward_metadata
     init_out_graph = cls.init_forward_metadata_out_graph
     forward_extend = cls.forward_extend
@@ -195,9 +243,12 @@ def split_view_wrappers(name: str, cls: type, diff: SplitDifference) -> Wrappers
         view = split_batch(name, forward_batch)
         if view is None:
             return init_metadata(self, forward_batch)
-        if not diff.supported(self):
+        if not serves(self):
             raise SparseExtendUnsupported(f"{name}: this backend configuration cannot split")
-        result, path = diff.build(init_metadata, self, forward_batch, view)
+        if diff.build is None:
+            result, path = init_metadata(self, view), SparsePath.SPLIT_VIEW
+        else:
+            result, path = diff.build(init_metadata, self, forward_batch, view)
         split = path is SparsePath.SPLIT_VIEW
         built = split_view_of(forward_batch).sequences if split else self.forward_metadata
         setattr(self, BUILT_ATTR, built)
@@ -216,7 +267,7 @@ def split_view_wrappers(name: str, cls: type, diff: SplitDifference) -> Wrappers
         if view is None:
             return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
         check_causal_layer(name, layer)
-        batch = diff.extend(self, forward_batch, view, kw)
+        batch = view if diff.extend is None else diff.extend(self, forward_batch, view, kw)
         return forward_extend(self, q, k, v, layer, batch, *args, **kw)
 
     wrappers: Wrappers = {

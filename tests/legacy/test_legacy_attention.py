@@ -32,6 +32,7 @@ from semblend_sglang.patches.sglang import (  # noqa: E402
     unpatch_radix_cache,
 )
 from semblend_sglang.patches.sglang.legacy import LegacyRadixCacheAdapter  # noqa: E402
+from semblend_sglang.patches.sglang.split_view import is_sparse_batch  # noqa: E402
 from tests.harness.attention_backend import ATOL, forward, forward_batch, reference  # noqa: E402
 from tests.sparse_extend_batches import random_batch  # noqa: E402
 
@@ -74,14 +75,14 @@ def test_the_legacy_adapter_installs_and_removes_the_torch_native_hooks_only() -
 def test_sparse_batches_equal_the_dense_reference(legacy_adapter: Any, seed: int) -> None:
     heads = [(6, 2), (4, 4), (8, 1), (6, 3), (9, 3), (2, 2)][seed]
     batch = random_batch(100 + seed, n_requests=5, heads=heads)
-    assert attention.is_sparse_batch(forward_batch(batch))
+    assert is_sparse_batch(forward_batch(batch))
     torch.testing.assert_close(forward(batch), reference(batch), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_ordinary_batches_keep_sglangs_own_result(legacy_adapter: Any, seed: int) -> None:
     batch = random_batch(200 + seed, n_requests=4, kinds=("cold", "exact"))
-    assert not attention.is_sparse_batch(forward_batch(batch))
+    assert not is_sparse_batch(forward_batch(batch))
     hooked = forward(batch)
     attention.remove_attention_hooks()
     torch.testing.assert_close(hooked, forward(batch), atol=0, rtol=0)

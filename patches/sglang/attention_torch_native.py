@@ -1,0 +1,170 @@
+"""Sparse-extend hooks for sglang 0.5.23's ``TorchNativeAttnBackend`` (``--attention-backend
+torch_native``, the CPU server's): a batch holding a sparse request runs
+:func:`extend_attention_query_only` on the real batch (SGLang's ``forward_extend`` with its SDPA
+call replaced), which masks by position itself. SGLang's own SDPA extend would carry the split
+view correctly (it writes the pass's KV first), but it loops over sequences, one per run, which
+is slower (docs/perf.md, "Split view on the CPU server: torch_native"). With the CPU runtime's
+query-only extend on (:func:`.attention.install_cpu_query_only_extend`), every extend batch runs
+the query-only extend.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
+
+from .split_hooks import (
+    HookedBackend,
+    Serves,
+    SparseExtendUnsupported,
+    SparsePath,
+    count_sparse_batch,
+    query_positions,
+)
+from .split_view import batch_lens, is_sparse_batch
+from .wrapping import Wrappers
+
+_every_extend = False
+"""Whether every extend batch runs query-only (:func:`set_query_only_every_extend`)."""
+
+
+def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
+    """query_positions, computed once per forward batch (forward_extend runs once per layer):
+    reused while the batch object, its ``positions`` tensor and its lengths are the same."""
+    key = (id(forward_batch.positions), batch_lens(forward_batch))
+    cached = getattr(backend, "_semblend_qpos", None)
+    if cached is not None and cached[0]() is forward_batch and cached[1] == key:
+        return cached[2]
+    value = query_positions(forward_batch)
+    try:
+        backend._semblend_qpos = (weakref.ref(forward_batch), key, value)
+    except TypeError:  # an object without weak references: no cache
+        backend._semblend_qpos = None
+    return value
+
+
+def torch_native_wrappers(native: type, serves: Serves) -> Wrappers:
+    """Wrappers of ``native`` (``TorchNativeAttnBackend``) ``forward_extend`` and
+    ``_run_sdpa_forward_extend``, built from the current originals: a batch holding a sparse
+    request (every extend batch under :func:`set_query_only_every_extend`) runs SGLang's
+    ``forward_extend`` with the SDPA call replaced by the query-only extend on an instance
+    ``serves`` accepts; anything else keeps SGLang's path. Installed by
+    :func:`.attention.install_attention_hooks`."""
+    forward_extend = native.forward_extend
+    run_sdpa = native._run_sdpa_forward_extend
+
+    def query_only(
+        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        info = _cached_positions(self, forward_batch)
+        if info is None and is_sparse_batch(forward_batch):
+            raise SparseExtendUnsupported("torch_native: sparse extend without positions")
+        if info is not None and info[1]:
+            count_sparse_batch(SparsePath.POSITION_MASK, forward_batch)
+        self._semblend_active = info
+        try:
+            return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+        finally:
+            self._semblend_active = None
+
+    def forward_extend_hook(
+        self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        if _every_extend or is_sparse_batch(forward_batch):
+            return query_only(self, q, k, v, layer, forward_batch, *args, **kw)
+        return forward_extend(self, q, k, v, layer, forward_batch, *args, **kw)
+
+    def run_sdpa_hook(
+        self: Any,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_prefix_lens: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        encoder_lens: torch.Tensor | None = None,
+        scaling: float | None = None,
+        enable_gqa: bool = False,
+        causal: bool = False,
+        is_cross_attn: bool = False,
+        sliding_window_size: int | None = None,
+    ) -> torch.Tensor:
+        active = getattr(self, "_semblend_active", None)
+        eligible = (
+            active is not None
+            and causal
+            and not is_cross_attn
+            and encoder_lens is None
+            and (sliding_window_size is None or sliding_window_size < 0)
+            and serves(self)
+        )
+        if eligible:
+            return extend_attention_query_only(
+                query,
+                k_cache,
+                v_cache,
+                output,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                extend_seq_lens,
+                active[0],
+                scaling=scaling,
+                enable_gqa=enable_gqa,
+                causal=True,
+            )
+        if active is not None and active[1]:
+            raise SparseExtendUnsupported(
+                "torch_native: sparse extend on a cross, encoder-only or sliding-window layer"
+            )
+        return run_sdpa(
+            self,
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_prefix_lens,
+            extend_seq_lens,
+            encoder_lens,
+            scaling=scaling,
+            enable_gqa=enable_gqa,
+            causal=causal,
+            is_cross_attn=is_cross_attn,
+            sliding_window_size=sliding_window_size,
+        )
+
+    return {
+        (native, "forward_extend"): forward_extend_hook,
+        (native, "_run_sdpa_forward_extend"): run_sdpa_hook,
+    }
+
+
+def set_query_only_every_extend(on: bool) -> None:
+    """Run the query-only extend for every extend batch (True), or only for batches holding a
+    sparse request (False). Takes effect for the next batch; hooks must be installed."""
+    global _every_extend
+    _every_extend = bool(on)
+
+
+def query_only_every_extend() -> bool:
+    """Whether the hook runs every extend batch query-only."""
+    return _every_extend
+
+
+HOOKED = HookedBackend(
+    "torch_native",
+    "sglang.srt.layers.attention.torch_native_backend",
+    "TorchNativeAttnBackend",
+    lambda backend: True,
+    torch_native_wrappers,
+)
