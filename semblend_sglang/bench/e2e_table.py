@@ -1,7 +1,7 @@
 """``bench table E2E.json ...``: the exact_spans rows of several e2e reports as one markdown
 table, one line per report and row, sorted so that each workload's recompute strategies and
-ratios sit together (docs/perf.md's strategy × ratio × workload table: one e2e run per setting,
-e.g. ``--semblend-env SEMBLEND_RECOMPUTE_STRATEGY=heads --semblend-env
+ratios sit together (docs/perf-archive.md's strategy × ratio × workload table: one e2e run
+per setting, e.g. ``--semblend-env SEMBLEND_RECOMPUTE_STRATEGY=heads --semblend-env
 SEMBLEND_RECOMPUTE_RATIO=0.05``). Strategy and ratio are what each run's server resolved (the
 rows' ``exact_spans_recompute_strategy`` and ``_ratio``, JSON schema 4 and later); a report
 without them (schema 3) shows ``?``. Rows with QA probes add a second table, one line per row,
