@@ -245,11 +245,10 @@ def test_more_runs_than_the_request_pool_has_rows_flashinfer_paged_standin(hooks
 
 @needs_interpreter
 def test_the_real_batch_is_left_unchanged_flashinfer_paged_standin(hooks: Any):
-    from semblend_sglang.patches.sglang.split_hooks import COUNTED_ATTR
-    from semblend_sglang.patches.sglang.split_view import SPARSE_ATTR, VIEW_ATTR
+    from semblend_sglang.patches.sglang.split_view import NOTES_ATTR
     from tests.harness import flashinfer_backend as fi
 
-    kept = (VIEW_ATTR, SPARSE_ATTR, COUNTED_ATTR)  # what the hooks keep on the batch
+    kept = (NOTES_ATTR,)  # what the hooks keep on the batch
     batch = _sparse(0, 16)
     fb = fi.extend_batch(batch)
     before = {k: v for k, v in vars(fb).items() if k not in kept}

@@ -182,13 +182,12 @@ def test_without_the_hooks_a_sparse_batch_is_wrong_trtllm_context_standin(sglang
 
 @needs_interpreter
 def test_the_real_batch_is_left_unchanged_trtllm_context_standin(hooks: Any):
-    from semblend_sglang.patches.sglang.split_hooks import COUNTED_ATTR
-    from semblend_sglang.patches.sglang.split_view import SPARSE_ATTR, VIEW_ATTR
+    from semblend_sglang.patches.sglang.split_view import NOTES_ATTR
     from tests.harness import flashinfer_backend as fi
 
     batch = _batch(0, 16)
     fb = fi.extend_batch(batch)
-    kept = (VIEW_ATTR, SPARSE_ATTR, COUNTED_ATTR)  # what the hooks keep on the batch
+    kept = (NOTES_ATTR,)  # what the hooks keep on the batch
     before = {k: v for k, v in vars(fb).items() if k not in kept}
     snapshot = {k: v.clone() for k, v in before.items() if isinstance(v, torch.Tensor)}
     fi.forward(fi.trtllm(batch, 16), batch, fb=fb)

@@ -18,7 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E
 
 from semblend_sglang.patches.sglang import split_view  # noqa: E402
 from semblend_sglang.patches.sglang.split_view import (  # noqa: E402
-    VIEW_ATTR,
+    NOTES_ATTR,
     computed_runs,
     is_sparse_batch,
     split_sequences,
@@ -106,7 +106,7 @@ def test_a_batch_without_a_sparse_request_has_no_view():
 def test_the_view_is_built_once_per_batch_and_rebuilt_when_positions_change():
     fb = _fb([2, 1], [3, 5], [5, 10], [2, 3, 4, 1, 2, 5, 8, 9])
     first = split_view_of(fb)
-    assert split_view_of(fb) is first and getattr(fb, VIEW_ATTR)[1] is first
+    assert split_view_of(fb) is first and getattr(fb, NOTES_ATTR).view is first
     fb.positions = torch.tensor([2, 3, 4, 1, 2, 3, 8, 9])
     second = split_view_of(fb)
     assert second is not first

@@ -10,7 +10,6 @@ the query-only extend.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -25,26 +24,20 @@ from .split_hooks import (
     count_sparse_batch,
     query_positions,
 )
-from .split_view import batch_lens, is_sparse_batch
+from .split_view import is_sparse_batch, notes_of
 from .wrapping import Wrappers
 
 _every_extend = False
 """Whether every extend batch runs query-only (:func:`set_query_only_every_extend`)."""
 
 
-def _cached_positions(backend: Any, forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
-    """query_positions, computed once per forward batch (forward_extend runs once per layer):
-    reused while the batch object, its ``positions`` tensor and its lengths are the same."""
-    key = (id(forward_batch.positions), batch_lens(forward_batch))
-    cached = getattr(backend, "_semblend_qpos", None)
-    if cached is not None and cached[0]() is forward_batch and cached[1] == key:
-        return cached[2]
-    value = query_positions(forward_batch)
-    try:
-        backend._semblend_qpos = (weakref.ref(forward_batch), key, value)
-    except TypeError:  # an object without weak references: no cache
-        backend._semblend_qpos = None
-    return value
+def _cached_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
+    """query_positions, computed once per forward batch (forward_extend runs once per layer) and
+    kept in its notes while its length fields are the same objects."""
+    notes = notes_of(forward_batch)
+    if notes.positions is None:
+        notes.positions = query_positions(forward_batch)
+    return notes.positions
 
 
 def torch_native_wrappers(native: type, serves: Serves) -> Wrappers:
@@ -60,7 +53,7 @@ def torch_native_wrappers(native: type, serves: Serves) -> Wrappers:
     def query_only(
         self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, *args: Any, **kw: Any
     ) -> Any:
-        info = _cached_positions(self, forward_batch)
+        info = _cached_positions(forward_batch)
         if info is None and is_sparse_batch(forward_batch):
             raise SparseExtendUnsupported("torch_native: sparse extend without positions")
         if info is not None and info[1]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .split_view import batch_lens, is_sparse_batch, split_view_of
+from .split_view import batch_lens, is_sparse_batch, notes_of, split_view_of
 from .wrapping import Wrappers
 
 
@@ -39,20 +39,15 @@ _paths: Counter[str] = Counter()
 _paths_lock = threading.Lock()
 
 
-COUNTED_ATTR = "_semblend_sparse_path_counted"
-"""Attribute of a ForwardBatch already counted by :func:`count_sparse_batch`."""
-
-
 def count_sparse_batch(path: SparsePath, forward_batch: Any) -> None:
     """Count ``forward_batch`` (holding a sparse request) once on ``path``: the hooks call it
     every time they route it (per layer, or per metadata build after a check layer shrank it);
-    only the first call for a batch object counts."""
-    if getattr(forward_batch, COUNTED_ATTR, False):
+    only the first call for a batch object counts (its notes remember; a batch that takes no
+    attributes is counted every time)."""
+    notes = notes_of(forward_batch)
+    if notes.counted:
         return
-    try:
-        setattr(forward_batch, COUNTED_ATTR, True)
-    except AttributeError:  # a batch that takes no attributes: counted every time
-        pass
+    notes.counted = True
     with _paths_lock:
         _paths[path.value] += 1
 

@@ -18,6 +18,7 @@ KV as prefix): callers check that per backend (``attention.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +29,8 @@ TILE = 64
 """Query and key tile edge of :func:`tile_work` (SGLang's Triton extend kernel tiles 64 or 128
 queries by 64 keys)."""
 
-VIEW_ATTR = "_semblend_split_view"
-"""Attribute of a ForwardBatch holding its :class:`SplitView` (set by :func:`split_view_of`)."""
-
-SPARSE_ATTR = "_semblend_is_sparse"
-"""Attribute of a ForwardBatch holding :func:`is_sparse_batch`'s answer for its current fields."""
+NOTES_ATTR = "_semblend_notes"
+"""The one attribute the attention hooks set on a ForwardBatch: its :class:`BatchNotes`."""
 
 LEN_FIELDS = (
     "positions",
@@ -93,35 +91,46 @@ def _fields(forward_batch: Any) -> tuple[Any, ...]:
     return tuple(getattr(forward_batch, name, None) for name in LEN_FIELDS)
 
 
-def _kept(forward_batch: Any, attr: str) -> Any | None:
-    """What ``attr`` holds for the batch's current :data:`LEN_FIELDS` objects, or None."""
-    kept = getattr(forward_batch, attr, None)
-    if kept is None:
-        return None
-    fields, value = kept
+@dataclass
+class BatchNotes:
+    """What the attention hooks learn about one ForwardBatch during its forward, kept on it
+    (:data:`NOTES_ATTR`) so every layer asks once: its :data:`LEN_FIELDS` objects, whether it is
+    sparse, its split view, its computed tokens' positions (torch_native), and whether it was
+    counted on a sparse path. Only :func:`notes_of` makes one."""
+
+    fields: tuple[Any, ...]
+    sparse: bool | None = None
+    view: SplitView | None = None
+    positions: tuple[torch.Tensor, bool] | None = None
+    counted: bool = False
+
+
+def notes_of(forward_batch: Any) -> BatchNotes:
+    """The batch's notes for its current :data:`LEN_FIELDS` objects: new ones (keeping only
+    ``counted``) once a field was replaced (the check layer shrinking the batch), unkept ones
+    for a batch that takes no attributes. Called by the hooks, never by SGLang."""
     now = _fields(forward_batch)
-    if len(fields) == len(now) and all(a is b for a, b in zip(fields, now, strict=True)):
-        return value
-    return None
+    notes = getattr(forward_batch, NOTES_ATTR, None)
+    if notes is not None and all(a is b for a, b in zip(notes.fields, now, strict=True)):
+        return notes
+    fresh = BatchNotes(now, counted=notes is not None and notes.counted)
+    with contextlib.suppress(AttributeError):
+        setattr(forward_batch, NOTES_ATTR, fresh)
+    return fresh
 
 
 def is_sparse_batch(forward_batch: Any) -> bool:
     """True when an extend batch holds a request with ``prefix_len + extend_len != seq_len``;
     False for any batch without those fields (decode, idle). Every attention layer asks: the
-    answer is kept on the batch (:data:`SPARSE_ATTR`) while its length fields are the same
-    objects, so the host reads of :func:`batch_lens` happen once per forward."""
+    answer is kept in the batch's notes (:func:`notes_of`), so the host reads of
+    :func:`batch_lens` happen once per forward."""
     if not forward_batch.forward_mode.is_extend():
         return False
-    kept = _kept(forward_batch, SPARSE_ATTR)
-    if kept is not None:
-        return bool(kept)
-    lens = batch_lens(forward_batch)
-    sparse = lens is not None and any(m + c != n for m, c, n in zip(*lens, strict=True))
-    try:
-        setattr(forward_batch, SPARSE_ATTR, (_fields(forward_batch), sparse))
-    except AttributeError:  # a batch that takes no attributes: no cache
-        pass
-    return sparse
+    notes = notes_of(forward_batch)
+    if notes.sparse is None:
+        lens = batch_lens(forward_batch)
+        notes.sparse = lens is not None and any(m + c != n for m, c, n in zip(*lens, strict=True))
+    return notes.sparse
 
 
 def computed_runs(positions: torch.Tensor | list[int]) -> list[tuple[int, int]]:
@@ -187,8 +196,7 @@ def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
     fb = forward_batch
     idx = torch.tensor(seqs.request, dtype=torch.int64, device=fb.req_pool_indices.device)
     view = copy.copy(fb)
-    view.__dict__.pop(VIEW_ATTR, None)  # a stale view of the real batch, copied along
-    view.__dict__.pop(SPARSE_ATTR, None)
+    view.__dict__.pop(NOTES_ATTR, None)  # the real batch's notes, copied along
     view.batch_size = len(seqs.request)
     view.req_pool_indices = fb.req_pool_indices.index_select(0, idx)
     cpu_rows = getattr(fb, "req_pool_indices_cpu", None)
@@ -216,20 +224,15 @@ def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
 
 
 def split_view_of(forward_batch: Any) -> SplitView:
-    """The batch's :class:`SplitView`, built once per ForwardBatch object and kept on it
-    (:data:`VIEW_ATTR`); rebuilt when one of its :data:`LEN_FIELDS` was replaced (the check
+    """The batch's :class:`SplitView`, built once per ForwardBatch object and kept in its notes
+    (:func:`notes_of`); rebuilt when one of its :data:`LEN_FIELDS` was replaced (the check
     layer shrinking the batch). ``batch`` is None for a batch without a sparse request (the
     backend gets the real batch). Raises ValueError as :func:`split_sequences`."""
-    kept = _kept(forward_batch, VIEW_ATTR)
-    if kept is not None:
-        return kept
-    if not forward_batch.forward_mode.is_extend():
-        view = SplitView(None, None)
-    else:
-        seqs = split_sequences(forward_batch)
-        view = SplitView(None if seqs is None else build_view(forward_batch, seqs), seqs)
-    setattr(forward_batch, VIEW_ATTR, (_fields(forward_batch), view))
-    return view
+    notes = notes_of(forward_batch)
+    if notes.view is None:
+        seqs = split_sequences(forward_batch) if forward_batch.forward_mode.is_extend() else None
+        notes.view = SplitView(None if seqs is None else build_view(forward_batch, seqs), seqs)
+    return notes.view
 
 
 def tile_work(extend: list[int], seq: list[int]) -> int:
