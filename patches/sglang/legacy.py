@@ -7,31 +7,7 @@ prefill) and ``cache_finished_req`` (release). From 0.5.19 on the default tree i
 ``UnifiedRadixCache`` even though ``hiradix_cache.py`` still ships (docs/sglang-legacy.md), so this
 adapter does not claim those versions.
 
-exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- donor_i, the same
-one-pass sparse extend as the 0.5.22+ adapter (:mod:`.unified`, :mod:`.one_pass`):
-
-1. ``RadixCache.match_prefix`` / ``HiRadixCache.match_prefix``: the original runs and its result is
-   returned unchanged; the provider is asked once per request id.
-2. The request is admitted like any other (no chunk cut). ``ScheduleBatch.prepare_for_extend``
-   lays its row out in position order with fresh slots for [m, extend_range.end); after it,
-   :func:`.one_pass.load_batch_spans` copies every span of the chunk from its donor into those
-   slots (K rotated by the span's delta, the whole batch in one kernel launch) and drops the copied
-   positions from the batch's computed tokens. 0.5.15 - 0.5.18 have the same batch fields as
-   0.5.23 (``prefill_input_ids_cpu``, ``out_cache_loc``, ``extend_lens``, ...); only a request's
-   row (``req.req_pool_idx``), its chunk end (``req.extend_range.end``) and the tree's locks
-   (``inc_lock_ref`` / ``dec_lock_ref`` by node) are named differently (the adapter's
-   :class:`~.version_view.VersionView`).
-3. ``ForwardBatch.init_new`` (which takes the ``ScheduleBatch`` itself in these versions too)
-   gives the computed tokens their true positions; torch_native's extend masks by position
-   (:mod:`.attention`; its backend file is the same in 0.5.15 - 0.5.18 as in 0.5.23).
-4. Publish cap c (the first copied position): ``cache_unfinished_req`` lets the original insert
-   T[0:c) only (when it is not in the tree yet) and carries the rest of the row as the request's
-   own prefix for its next chunk; ``cache_finished_req`` first frees the request's own slots
-   [c, end) and then lets the original handle T[0:c) only. Reused KV, and everything computed
-   after it, never reaches the tree, and no slot is owned twice.
-5. A request whose prompt is published becomes a donor (the provider keeps its token ids); one
-   that reused KV donates its exact head T[0:c). (The held-donor store of the 0.5.22+ adapter is
-   not ported: SGLang frees a recipient's slots after c at release.)
+exact_spans: docs/architecture.md's request path; these versions' hooks: docs/sglang-legacy.md.
 
 substitute (opt-in): ``Scheduler._add_request_to_queue`` rewrites an arriving request's prompt to
 ``D[:a0] + T[a:]`` exactly as in :mod:`.unified`; the hooks above stand aside for such requests.

@@ -1,19 +1,7 @@
 """One request's semantic path through SGLang, in the order it runs.
 
-1. **plan** (``match_prefix``): one lookup per request id; a plan starts the request's
-   :class:`~.request_reuse.RequestReuse` (PLANNED), or is declined before anything is copied.
-2. **pin donors and copy** (after ``prepare_for_extend``): :mod:`.one_pass` locks each donor's
-   tree path (the lock receipts are held for the copy only), copies its spans into the
-   request's own fresh slots, and drops the copied positions from the batch (LOADING).
-3. **check layer** (``deviation`` / ``query``): :mod:`.check_layer` selects, inside the forward,
-   which copied positions are recomputed, and reports here (:meth:`RequestFlow.checked`).
-4. **forward** (``ForwardBatch.init_new``): the computed tokens get their true positions; the
-   attention backend (:mod:`.attention`) lets the query at p see every key at <= p.
-5. **publish cap** (``checkpoint`` / ``cache_*_req``): nothing from the first copied position on
-   enters the exact cache (:meth:`RequestFlow.publish_limit`); the request donates what it
-   published, and a finished one that reused KV keeps the rest as a held donor.
-6. **end**: the plan completes (MATERIALIZED), is declined or fails (a cold fallback), each
-   recorded once by the state's own transition; :meth:`RequestFlow.release` forgets it.
+The steps (plan, pin donors and copy, check layer, forward, publish cap, end) are told once,
+in docs/architecture.md ("One request through SGLang 0.5.22+").
 
 :class:`RequestFlow` owns every request's state (one object per request, in
 :attr:`RequestFlow.requests`); the version adapters only wrap sglang's methods and call it,

@@ -1,23 +1,7 @@
 """Adapter for sglang >= 0.5.22: hooks on ``UnifiedRadixCache``, ``ScheduleBatch`` and
 ``ForwardBatch``.
 
-exact_spans, per request T with exact hit m and a plan of spans [a_i, b_i) <- donor_i:
-
-1. ``UnifiedRadixCache.match_prefix``: the original runs and its result is returned unchanged
-   (the exact cache stays authoritative); the provider is asked once per request id.
-2. The request is admitted like any other. ``ScheduleBatch.prepare_for_extend`` lays its row out
-   in position order with fresh slots for [m, n); after it, :mod:`.one_pass` copies every span
-   of the chunk from its donor into those slots (K rotated by the span's delta, the whole batch
-   in one kernel launch) and drops the copied positions from the batch's computed tokens.
-3. ``ForwardBatch.init_new`` gives the computed tokens their true positions; the attention
-   backend (:mod:`.attention`) lets the query at position p see every key at position <= p.
-4. Every ``checkpoint`` of a request that reused KV is capped at its first copied position:
-   nothing reused, nor anything computed after it, reaches the tree; SGLang's release frees
-   those slots, which only this request ever owned.
-5. A request whose prompt is published becomes a donor (the provider keeps its token ids); one
-   that reused KV donates its exact head from the tree and, when it finishes, the rest of its
-   prompt KV from a :class:`~.held_donors.HeldDonorStore` on the cache: slots that SGLang would
-   free at release, kept outside the tree, counted as evictable and evicted before the tree.
+exact_spans: the request path told in docs/architecture.md ("One request through SGLang 0.5.22+").
 
 substitute (opt-in, output-changing): ``Scheduler._add_request_to_queue`` rewrites an arriving
 request's prompt T to D[:a0] + T[a:] for its plan's first span [a, b) <- donor D [a0, b0), once
