@@ -121,9 +121,9 @@ def test_split_metadata_and_the_real_batch_kernel_standin(hooks: Any):
 
 
 def test_refusals_name_fa3(hooks: Any):
-    """A sparse batch on a sliding-window or cross-attention layer, under CUDA-graph metadata,
-    or on a configuration fa3_supported refuses raises SparseExtendUnsupported; an ordinary
-    batch keeps SGLang's path in each case."""
+    """A sparse batch on a sliding-window or cross-attention layer, or on a configuration
+    fa3_supported refuses, raises SparseExtendUnsupported; an ordinary batch keeps SGLang's path
+    in each case (the CUDA-graph and common refusals are tests/test_backend_contract.py's)."""
     from sglang.srt.layers.radix_attention import AttentionType
 
     attention = hooks
@@ -132,9 +132,7 @@ def test_refusals_name_fa3(hooks: Any):
     for kw in ({"sliding_window_size": 8}, {"attn_type": AttentionType.ENCODER_ONLY}):
         with pytest.raises(SparseExtendUnsupported, match="fa3"):
             fa3_backend.forward(batch, fa3, forward_batch(batch), **kw)
-    with pytest.raises(SparseExtendUnsupported, match="fa3: sparse extend under"):
-        fa3.init_forward_metadata_out_graph(forward_batch(batch))
-    for name, value in (("use_mla", True), ("fa_impl_ver", 4), ("fa_skip_kv_cache", True)):
+    for name, value in (("fa_impl_ver", 4), ("fa_skip_kv_cache", True)):
         other = fa3_backend.backend(batch)
         setattr(other, name, value)
         assert not attention.sparse_extend_supported(other)

@@ -27,7 +27,7 @@ INTERPRETED = triton_interpreted()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in test_tests_under_the_interpreter's child process"
 )
-CHILD_TESTS = 26  # tests the child must pass (every needs_interpreter case plus the rest)
+CHILD_TESTS = 25  # tests the child must pass (every needs_interpreter case plus the rest)
 HEADS = [(2, 1), (2, 2), (4, 1), (6, 2)]
 SPARSE_KINDS = ("sparse_runs", "cold", "exact", "sparse_chunk", "sparse")
 
@@ -263,9 +263,7 @@ def test_the_real_batch_is_left_unchanged_flashinfer_paged_standin(hooks: Any):
 
 
 @needs_interpreter
-@pytest.mark.parametrize(
-    "what", ["sliding_window", "cross", "encoder_only", "graph", "config", "metadata"]
-)
+@pytest.mark.parametrize("what", ["sliding_window", "cross", "encoder_only", "config", "metadata"])
 def test_hooks_refuse_what_the_split_view_cannot_carry_flashinfer_standin(hooks: Any, what: str):
     from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
     from sglang.srt.layers.radix_attention import AttentionType
@@ -286,9 +284,7 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_flashinfer_standin(hooks:
         backend.dispatch_reason = WrapperDispatch.SLIDING_WINDOW
         assert not hooks.flashinfer_supported(backend)
     with pytest.raises(hooks.SparseExtendUnsupported, match="flashinfer"):
-        if what == "graph":
-            backend.init_forward_metadata_out_graph(fb)
-        elif what == "metadata":  # forward_extend with metadata SGLang built for the real batch
+        if what == "metadata":  # forward_extend with metadata SGLang built for the real batch
             backend.init_forward_metadata(fi.extend_batch(random_batch(0, kinds=("cold",))))
             q = batch.q.reshape(batch.q.shape[0], -1)
             backend.forward_extend(q, batch.k, batch.v, fi.layer(batch), fb)
@@ -297,8 +293,8 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_flashinfer_standin(hooks:
 
 
 def test_supported_configurations(sglang_flashinfer: Any):
-    """flashinfer_supported: False for what only flashinfer refuses; with the common refusals
-    (attention.backend_serves), never raising."""
+    """flashinfer_supported: False for what only flashinfer refuses (the common refusals are
+    tests/test_backend_contract.py's); with them (attention.backend_serves), never raising."""
     from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
 
     from semblend_sglang.patches.sglang.attention import backend_serves
@@ -318,9 +314,6 @@ def test_supported_configurations(sglang_flashinfer: Any):
         backend = fi.flashinfer(batch)
         setattr(backend, name, value)
         assert not flashinfer_supported(backend), name
-    pooled = fi.flashinfer(batch)
-    pooled.use_sliding_window_kv_pool = True  # a common refusal, not the backend's own
-    assert flashinfer_supported(pooled) and not backend_serves(HOOKED, pooled)
 
     class Broken:
         @property

@@ -26,7 +26,7 @@ INTERPRETED = triton_interpreted()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in test_tests_under_the_interpreter's child process"
 )
-CHILD_TESTS = 25  # tests the child must pass
+CHILD_TESTS = 24  # tests the child must pass
 HEADS = [(2, 1), (2, 2), (4, 1), (6, 2)]
 SPARSE_KINDS = ("sparse_runs", "cold", "exact", "sparse_chunk", "sparse")
 BF16_TOL = 2**-7
@@ -200,9 +200,7 @@ def test_the_real_batch_is_left_unchanged_trtllm_context_standin(hooks: Any):
 
 
 @needs_interpreter
-@pytest.mark.parametrize(
-    "what", ["sliding_window", "encoder_only", "graph", "fmha_v2", "fp8", "metadata"]
-)
+@pytest.mark.parametrize("what", ["sliding_window", "encoder_only", "fmha_v2", "fp8", "metadata"])
 def test_hooks_refuse_what_the_split_view_cannot_carry_trtllm_standin(hooks: Any, what: str):
     from sglang.srt.layers.radix_attention import AttentionType
 
@@ -223,9 +221,7 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_trtllm_standin(hooks: Any
     if what in ("fmha_v2", "fp8"):
         assert not hooks.trtllm_mha_supported(backend)
     with pytest.raises(hooks.SparseExtendUnsupported, match="trtllm_mha"):
-        if what == "graph":
-            backend.init_forward_metadata_out_graph(fb)
-        elif what == "metadata":
+        if what == "metadata":
             backend.init_forward_metadata(fi.extend_batch(random_batch(0, kinds=("cold",))))
             q = batch.q.reshape(batch.q.shape[0], -1)
             backend.forward_extend(q, batch.k, batch.v, fi.layer(batch), fb)
@@ -234,8 +230,8 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_trtllm_standin(hooks: Any
 
 
 def test_supported_configurations(sglang_trtllm: Any):
-    """trtllm_mha_supported: False for what only trtllm_mha refuses; with the common refusals
-    (attention.backend_serves), never raising."""
+    """trtllm_mha_supported: False for what only trtllm_mha refuses (the common refusals are
+    tests/test_backend_contract.py's); with them (attention.backend_serves), never raising."""
     from semblend_sglang.patches.sglang.attention import backend_serves
     from semblend_sglang.patches.sglang.attention_trtllm_mha import HOOKED, trtllm_mha_supported
     from tests.harness import flashinfer_backend as fi
@@ -252,9 +248,6 @@ def test_supported_configurations(sglang_trtllm: Any):
         backend = fi.trtllm(batch, 16)
         setattr(backend, name, value)
         assert not trtllm_mha_supported(backend), name
-    pooled = fi.trtllm(batch, 16)
-    pooled.use_sliding_window_kv_pool = True  # a common refusal, not the backend's own
-    assert trtllm_mha_supported(pooled) and not backend_serves(HOOKED, pooled)
 
     class Broken:
         @property
