@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.config import Config
-from semblend_sglang.patches.sglang.held_donors import held_of
+from semblend_sglang.patches.sglang.donor_kv import held_of
 from tests.harness import (
     HarnessConfig,
     SglangCacheHarness,
@@ -48,7 +48,7 @@ def _dead_donors(h: SglangCacheHarness, adapter: Any) -> list[Any]:
     for handle in runtime.provider.index.handles():
         if store is not None and handle in store:
             continue
-        head = runtime.donor_tokens(handle)[: at + 1].tolist()
+        head = adapter.flow.donors.tokens(handle)[: at + 1].tolist()
         if chain_hashes(namespace_seed(1), head)[-1] not in held_hashes:
             dead.append(handle)
     return dead
@@ -69,8 +69,8 @@ def test_a_donor_whose_kv_is_evicted_is_forgotten_at_the_eviction(
             h.step()
             check_invariants(h)
             assert _dead_donors(h, adapter) == []  # right after every step, not lazily
-    assert runtime.evicted_donors >= 2, runtime.snapshot()
-    assert runtime.snapshot()["evicted_donors"] == runtime.evicted_donors
+    assert adapter.flow.donors.evicted >= 2, runtime.snapshot()
+    assert runtime.snapshot()["evicted_donors"] == adapter.flow.donors.evicted
     assert len(runtime.provider.index.handles()) < len(docs)
     # the newest document is still a donor, and a changed instruction reuses it
     target = h.submit(instructions[0] + docs[-1], max_new_tokens=2)

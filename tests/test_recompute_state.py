@@ -35,7 +35,7 @@ def _flow(**settings: object) -> RequestFlow:
 
 def _start(flow: RequestFlow, rid: str = "r") -> RequestReuse:
     runtime = flow.runtime
-    runtime.register_donor(NS, "donor", [1, 2, 3, *DOC[:300], 4, 5, *DOC[300:]])
+    flow.donors.register(NS, "donor", [1, 2, 3, *DOC[:300], 4, 5, *DOC[300:]])
     decision = runtime.lookup(LookupParams(NS, [7, 8, 9, 10, 11, *DOC, 6], 0, rid, page_size=1))
     assert decision.plan is not None, decision
     return flow.start(rid, NS, decision.plan)

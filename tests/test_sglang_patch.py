@@ -18,7 +18,7 @@ import pytest
 
 from semblend_sglang.config import Config
 from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
-from semblend_sglang.patches.sglang.held_donors import held_of
+from semblend_sglang.patches.sglang.donor_kv import held_of
 from semblend_sglang.plan import Reason
 from tests.harness import (
     HarnessConfig,
@@ -125,14 +125,14 @@ def test_a_donor_evicted_before_the_lookup_is_skipped_for_the_next_candidate(
     older = instructions[0] + doc
     first = h.submit(older)
     h.run_until_idle()
-    runtime.register_donor(namespace_for(first), "gone", instructions[1] + doc)
-    ghost = runtime.donor_handle("gone")
+    adapter.flow.donors.register(namespace_for(first), "gone", instructions[1] + doc)
+    ghost = adapter.flow.donors.handle_of("gone")
     assert len(runtime.provider.index) == 2
     target = h.submit(instructions[2] + doc, max_new_tokens=2)
     step_until(h, lambda: materialized(adapter.flow, target.rid))
     state = adapter.flow.requests[target.rid]
-    assert ghost not in state.plan.donors and not runtime.is_donor(ghost)
-    assert [runtime.donor_tokens(d).tolist() for d in state.donors_loaded] == [older]
+    assert ghost not in state.plan.donors and not adapter.flow.donors.is_donor(ghost)
+    assert [adapter.flow.donors.tokens(d).tolist() for d in state.donors_loaded] == [older]
     assert state.reused_total >= len(doc) - 2 * CONFIG.sink_tokens - 4
     assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
@@ -176,14 +176,14 @@ def _recipient_donates_its_head_only(
     assert len(instructions[1] + doc_b) <= cap < len(recipient_tokens) - len(doc_a) // 2
     h.run_until_idle()
     assert len(runtime.provider.index) == 2  # the donor, and the recipient's head
-    heads = [runtime.donor_tokens(hd) for hd in runtime.provider.index.handles()]
+    heads = [adapter.flow.donors.tokens(hd) for hd in runtime.provider.index.handles()]
     assert sorted(len(t) for t in heads) == sorted([cap, len(instructions[0] + doc_a)])
     check_invariants(h, full_kv=True)  # the head in the tree holds cold KV
 
     target = h.submit(instructions[2] + doc_b + instructions[3], max_new_tokens=2)
     step_until(h, lambda: materialized(adapter.flow, target.rid))
     state = adapter.flow.requests[target.rid]
-    assert all(len(runtime.donor_tokens(d)) == cap for _, d in state.loaded_pieces)
+    assert all(len(adapter.flow.donors.tokens(d)) == cap for _, d in state.loaded_pieces)
     assert state.reused_total >= len(doc_b) - 2 * CONFIG.sink_tokens - 2
     assert check_loaded_kv(h, adapter.flow, target) == state.reused_total
     h.run_until_idle()
@@ -220,7 +220,7 @@ def test_a_recipient_holds_the_prompt_it_did_not_publish_as_donor_kv(
     (handle,) = store.handles()
     entry = store.get(handle)
     assert entry.held_from == cap and entry.held_to == len(recipient_tokens)
-    assert runtime.donor_tokens(handle).tolist() == recipient_tokens
+    assert adapter.flow.donors.tokens(handle).tolist() == recipient_tokens
     check_invariants(h, full_kv=True)  # the tree holds cold KV only; held slots accounted
 
     target = h.submit(instructions[2] + doc_b + instructions[3], max_new_tokens=2)
@@ -241,7 +241,7 @@ def test_a_recipient_holds_the_prompt_it_did_not_publish_as_donor_kv(
     assert freed == entry.held_to - entry.held_from == held_before - store.held_tokens
     assert handle not in store and len(store) == 1
     assert h.cache.evictable_size() == tree_evictable + store.held_tokens
-    assert not runtime.is_donor(handle)
+    assert not adapter.flow.donors.is_donor(handle)
     check_invariants(h, full_kv=True)
     freed = h.cache.evict(EvictParams(num_tokens=store.held_tokens + 1)).num_tokens_evicted
     assert len(store) == 0 and freed > 0

@@ -1,15 +1,14 @@
 """Which donors lost their KV when SGLang's tree freed device slots: the eviction hook.
 
 SGLang's tree evicts leaves first, so a donor's KV is gone once the slot of its first prompt token
-(its *head*, shared by every donor with the same first tokens) leaves the device. The adapter
-watches each donor's head slot from its registration; its wrapper of the tree's slot release
-(``UnifiedRadixCache._free_values``, through which every eviction step frees device values)
-reports freed slots here, and after the eviction the adapter checks the reported donors against
-the tree (a head demoted to host memory still counts as held) and forgets those whose KV is
-gone, so the index never offers them to a lookup.
+(its *head*, shared by every donor with the same first tokens) leaves the device.
+:class:`~.donor_kv.DonorKV` watches each donor's head slot from its registration; the adapter's
+wrapper of the tree's slot release (``UnifiedRadixCache._free_values``, through which every
+eviction step frees device values) reports freed slots here, and after the eviction DonorKV
+forgets those donors (not held ones; with a host tier none: a freed slot may be a demotion), so
+the index never offers them to a lookup.
 
-Owns no slot and imports nothing from sglang. Called by the adapter's hooks only (scheduler
-thread).
+Owns no slot and imports nothing from sglang. Called by :class:`~.donor_kv.DonorKV` only.
 """
 
 from __future__ import annotations

@@ -259,10 +259,10 @@ class LegacyRadixCacheAdapter(SglangAdapter):
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         cache, handle, donor_end = params.cache, params.handle, params.donor_end
-        runtime = self.flow.runtime
-        donor = runtime.donor_tokens(handle)
+        donors = self.flow.donors
+        donor = donors.tokens(handle)
         if donor is None or len(donor) < donor_end:
-            runtime.forget_donor(handle)
+            donors.forget(handle)
             return DonorMatch.missing(Reason.DONOR_EVICTED)
         key = _radix_key(RadixKey, array("q", donor[:donor_end].tolist()), params.namespace)
         found = self._donor_match(cache, MatchPrefixParams(key=key))
@@ -270,7 +270,7 @@ class LegacyRadixCacheAdapter(SglangAdapter):
         if on_device < donor_end:
             if _match_len(found) >= donor_end:
                 return DonorMatch.missing(Reason.DONOR_ON_HOST)
-            runtime.forget_donor(handle)
+            donors.forget(handle)
             return DonorMatch.missing(Reason.DONOR_EVICTED)
         path = found.device_indices[:donor_end].to(torch.int64)
         return DonorMatch(DonorSlots(path, found.last_device_node))

@@ -25,7 +25,7 @@ from semblend_sglang.plan import Reason, ReusePlan
 from semblend_sglang.recompute import CheckSampling, RecomputeStrategy, head_lengths
 
 from . import attention, one_pass
-from .held_donors import HeldDonors, PendingKeep
+from .donor_kv import DonorKV, PendingKeep
 from .request_info import eligible, namespace_for, opted_out, served_model_path
 from .request_reuse import RequestReuse
 from .runtime import SemblendRuntime
@@ -50,8 +50,8 @@ class RequestFlow:
     own and, fed the same calls, decide the same).
 
     Called by the adapter's wrappers of sglang methods, in the order of the module docstring.
-    Owns the per-request states (:attr:`requests`) and the held-donor policy (:attr:`held`);
-    per-process state is the :attr:`runtime`'s. Never raises to the engine from
+    Owns the per-request states (:attr:`requests`) and the donors (:attr:`donors`); per-process
+    state is the :attr:`runtime`'s. Never raises to the engine from
     :meth:`guarded`."""
 
     def __init__(self, config: Config, runtime: SemblendRuntime, view: VersionView) -> None:
@@ -64,7 +64,8 @@ class RequestFlow:
         self.decided: set[str] = set()
         """Requests decided already (declined, failed, decided at arrival): not planned again
         until released."""
-        self.held = HeldDonors(runtime, runtime.held)
+        self.donors = DonorKV(runtime.provider, config.max_donors)
+        runtime.donor_snapshot = self.donors.snapshot
         self.backend_ok: bool | None = None
         """Whether the model runner's attention backend runs a sparse extend (None until the
         first forward shows it)."""
@@ -366,7 +367,7 @@ class RequestFlow:
             and len(req.origin_input_ids) >= self.config.min_prompt_tokens
             and eligible(req)
         ):
-            self.held.mark(
+            self.donors.mark(
                 PendingKeep(req.kv, req.rid, state.namespace, list(req.origin_input_ids))
             )
 
@@ -388,7 +389,7 @@ class RequestFlow:
             return  # more of it is still to be published
         end = min(end, held)
         if end >= self.config.min_prompt_tokens and eligible(req):
-            self.runtime.register_donor(namespace_for(req), req.rid, list(prompt[:end]))
+            self.donors.register(namespace_for(req), req.rid, list(prompt[:end]))
 
     # ----------------------------------------------------------------- 6. end
     def decline(self, rid: str, reason: str) -> None:
@@ -434,4 +435,5 @@ class RequestFlow:
         if state is not None:
             state.complete()
         self.decided.discard(rid)
-        self.runtime.release_donor(rid)
+        self.donors.release(rid)
+        self.runtime.provider.release(rid)

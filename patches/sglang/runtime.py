@@ -1,6 +1,6 @@
-"""Per-process semblend state shared by the SGLang hooks: the provider, the donor registry, the
-counters and the settings learned at start-up. A request's reuse state is the request flow's
-(:mod:`.request_flow`), but for the two things :class:`SemblendRuntime` keeps by request id.
+"""Per-process semblend state shared by the SGLang hooks: the provider, the counters and the
+settings learned at start-up. A request's reuse state is the request flow's
+(:mod:`.request_flow`), donors are its :class:`~.donor_kv.DonorKV`'s.
 
 One :class:`SemblendRuntime` per scheduler process (TP ranks each have their own and, fed the same
 calls, decide the same). It imports no sglang module; the adapter passes sglang objects in.
@@ -8,11 +8,9 @@ calls, decide the same). It imports no sglang module; the adapter passes sglang 
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import json
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +18,10 @@ from typing import Any
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.lookup_params import LookupParams
-from semblend_sglang.namespace import Namespace
 from semblend_sglang.once_log import OnceLog
 from semblend_sglang.plan import Decision, Reason
 from semblend_sglang.provider import SemanticProvider
 
-from .held_donors import HeldDonorCounts
 from .split_hooks import sparse_batch_counts
 
 logger = logging.getLogger(__name__)
@@ -45,12 +41,11 @@ class RecomputeCounts:
 
 
 class SemblendRuntime:
-    """Holds one scheduler process's provider, donor registry, counters and the settings learned
-    at start-up.
+    """Holds one scheduler process's provider, counters and the settings learned at start-up.
 
-    The request flow and the hooks call it. By request id it keeps only a live donor's handle
-    and (in the provider) a request's first decision, until :meth:`release_donor` at the
-    request's end; the rest of a request's reuse state is the request flow's.
+    The request flow and the hooks call it. By request id it keeps only (in the provider) a
+    request's first decision, until the flow's release; the rest of a request's reuse state is
+    the request flow's.
     :meth:`log_failure` logs an error once per place and exception type.
     """
 
@@ -59,16 +54,12 @@ class SemblendRuntime:
         self.provider = SemanticProvider(
             config, None, registry=registry, detokenize=self.detokenize
         )
-        self._donor_handles: dict[str, Hashable] = {}
-        """Live requests registered as donors, with their donor handles."""
-        self._handles = itertools.count()
         self._rope_spec: RopeSpec | None = None
         self._rope_error: str | None = None
         self._failures = OnceLog(logger)
         self._tokenizer: Any = None
-        self.held = HeldDonorCounts()
-        """What the held donors did (written by :class:`.held_donors.HeldDonors`;
-        ``held_donors`` in :meth:`snapshot`)."""
+        self.donor_snapshot: Callable[[], dict[str, Any]] = dict
+        """The donor KV's counters for :meth:`snapshot` (set by the flow that owns them)."""
         self.recompute = RecomputeCounts()
         self.layer_check: bool | None = None
         """Whether the served model's layers take the check-layer recompute (set at scheduler
@@ -81,9 +72,6 @@ class SemblendRuntime:
         """Every reason known at start-up why no request of this scheduler will reuse KV (the
         refused options, an attention backend that declines every plan): :meth:`note_reuse_off`;
         ``reuse_off`` of the snapshot."""
-        self.evicted_donors = 0
-        """Donors forgotten when SGLang's eviction freed their KV (``evicted_donors`` in
-        :meth:`snapshot`)."""
         self.forward_stream: Any = None
         """The device stream the engine's forward runs on (the scheduler's, set at its start;
         None on CPU or before): the K/V copy is ordered after it (:mod:`.one_pass`)."""
@@ -112,61 +100,17 @@ class SemblendRuntime:
 
     def snapshot(self) -> dict[str, Any]:
         """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named),
-        ``reuse_off`` (every start-up reason reuse cannot happen here, :attr:`reuse_off`) and
-        ``sparse_extend_batches`` (batches holding a sparse request, by attention path)."""
+        ``reuse_off`` (every start-up reason reuse cannot happen here), the donor KV's counters
+        and ``sparse_extend_batches`` (batches holding a sparse request, by attention path)."""
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
         snap["reuse_off"] = list(self.reuse_off)
-        snap["held_donors"] = dataclasses.asdict(self.held)
-        snap["evicted_donors"] = self.evicted_donors
+        snap.update(self.donor_snapshot())
         snap["recompute_checks"] = self.recompute.checks
         snap["recompute_gated"] = self.recompute.gated
         snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
         snap["sparse_extend_batches"] = sparse_batch_counts()
         return snap
-
-    # ----------------------------------------------------------------- donors
-    def register_donor(
-        self, namespace: Namespace, rid: str, tokens: Any, *, extend: bool = False
-    ) -> list[Hashable]:
-        """Index a request's prompt tokens whose KV the engine holds as a donor: once per request,
-        or, with ``extend``, replacing the tokens an earlier call registered for ``rid`` (its
-        handle is kept). Returns the donors the index dropped to stay within its bound (the
-        caller frees what it keeps for them)."""
-        handle = self._donor_handles.get(rid)
-        if handle is not None and not extend:
-            return []
-        if handle is None:
-            handle = next(self._handles)
-            self._donor_handles[rid] = handle
-        return self.provider.register(namespace, handle, tokens)
-
-    def donor_handle(self, rid: str) -> Hashable | None:
-        """The donor handle of live request ``rid``, or None when it is not a donor."""
-        return self._donor_handles.get(rid)
-
-    def is_donor(self, handle: Hashable) -> bool:
-        """True while ``handle`` is a registered donor."""
-        return self.provider.has_donor(handle)
-
-    def forget_donor(self, handle: Hashable) -> None:
-        """Drop donor ``handle``: its KV is gone."""
-        self.provider.forget(handle)
-
-    def forget_all_donors(self) -> None:
-        """Drop every donor (the engine's cache was reset, so none of their KV exists)."""
-        for handle in self.provider.index.handles():
-            self.provider.forget(handle)
-
-    def donor_tokens(self, handle: Hashable) -> Any:
-        """The donor's tokens as the index keeps them, or None when it was dropped."""
-        return self.provider.donor_tokens(handle)
-
-    def release_donor(self, rid: str) -> None:
-        """Request ``rid`` ended: its donor handle is no longer looked up by rid (the donor
-        stays indexed) and the provider forgets its decision."""
-        self._donor_handles.pop(rid, None)
-        self.provider.release(rid)
 
     # ----------------------------------------------------------------- lookups and outcomes
     def lookup(self, params: LookupParams) -> Decision:

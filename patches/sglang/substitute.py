@@ -70,10 +70,10 @@ def substitute_request(
         return
     flow.decided_at_arrival(rid)  # the match hooks leave it alone
     plan = decision.plan
-    donor = runtime.donor_tokens(plan.donor_handle)
+    donor = flow.donors.tokens(plan.donor_handle)
     new_prompt = substituted_prompt(tokens, donor, plan)
     if new_prompt is None:
-        runtime.forget_donor(plan.donor_handle)
+        flow.donors.forget(plan.donor_handle)
         outcomes.record_declined(rid, Reason.DONOR_EVICTED)
         return
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
@@ -92,7 +92,7 @@ def substitute_request(
         return
     served = cached_len(new_prompt, namespace)
     if served < span.donor_start + span.length:
-        runtime.forget_donor(plan.donor_handle)  # its KV left the tree
+        flow.donors.forget(plan.donor_handle)  # its KV left the tree
         outcomes.record_declined(rid, Reason.DONOR_EVICTED)
         return
     if req.origin_input_ids_unpadded is req.origin_input_ids:

@@ -28,8 +28,6 @@ from semblend_sglang.plan import Reason
 from . import rank_agreement
 from .adapter import HookTable, SglangAdapter
 from .attention import attention_supported
-from .donor_heads import DonorHeads
-from .held_donors import cache_reuse, held_of, held_store_tokens
 from .prefill_graph import prefill_graph_wrappers
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
@@ -76,15 +74,15 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             SchedulerInternalStateController,
         )
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import (
             PrefillCudaGraphRunner,
         )
 
-        adapter = self
         flow = self.flow
-        held = flow.held
+        donors = flow.donors
         tree = UnifiedRadixCache
         orig_match = tree.match_prefix
         orig_checkpoint = tree.checkpoint
@@ -117,40 +115,40 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             orig_checkpoint(self, req, up_to=up_to, **kwargs)
             page = int(self.page_size)
             flow.guarded("checkpoint", rid, None, flow.published, req, up_to, page)
-            flow.guarded("checkpoint", rid, None, adapter._watch_head, self, req)
+            flow.guarded("checkpoint", rid, None, donors.watch_head, self, req)
 
         def free_kv_row(self: Any, kv: Any, ranges: list[tuple[int, int]]) -> None:
-            pending = held.take_pending(kv)
+            pending = donors.take_pending(kv)
             kept = None
             if pending is not None:
-                kept = flow.guarded("keep", None, None, held.split_release, self, pending, ranges)
+                kept = flow.guarded("keep", None, None, donors.split_release, self, pending, ranges)
             if kept is None:
                 orig_free_kv_row(self, kv, ranges)
                 return
             rest, slots, held_from = kept
             if rest:
                 orig_free_kv_row(self, kv, rest)
-            flow.guarded("keep", None, None, held.keep, self, pending, slots, held_from)
+            flow.guarded("keep", None, None, donors.keep, self, pending, slots, held_from)
 
         def on_release(self: Any, req: Any, *, checkpointed: bool) -> None:
             orig_on_release(self, req, checkpointed=checkpointed)
-            held.take_pending(getattr(req, "kv", None))
+            donors.take_pending(getattr(req, "kv", None))
             flow.guarded("release", None, None, flow.release, req.rid)
 
         def evictable_size(self: Any) -> int:
-            return int(orig_evictable(self)) + held_store_tokens(self)
+            return int(orig_evictable(self)) + donors.held_tokens(self)
 
         def full_evictable_size(self: Any) -> int:
-            return int(orig_full_evictable(self)) + held_store_tokens(self)
+            return int(orig_full_evictable(self)) + donors.held_tokens(self)
 
         def make_evict(orig: Any) -> Any:
             def evict(self: Any, params: Any, **kwargs: Any) -> Any:
-                freed = flow.guarded("evict", None, 0, held.evict, self, params.num_tokens)
+                freed = flow.guarded("evict", None, 0, donors.evict, self, params.num_tokens)
                 if freed:
                     params = replace(params, num_tokens=max(0, params.num_tokens - freed))
                 result = orig(self, params, **kwargs)
                 result.num_tokens_evicted += freed
-                flow.guarded("evict", None, None, adapter._forget_evicted, self)
+                flow.guarded("evict", None, None, donors.forget_evicted, self)
                 return result
 
             return evict
@@ -184,7 +182,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
         def free_values(self: Any, device_frees: Any, host_frees: Any) -> None:
             # before the original: its drain pops each component's list from the dict
-            flow.guarded("evict", None, None, adapter._note_freed, self, device_frees)
+            flow.guarded("evict", None, None, donors.freed, self, device_frees, ComponentType.FULL)
             orig_free_values(self, device_frees, host_frees)
 
         def finish(self: Any, handle: Any, outcome: Any) -> None:
@@ -193,13 +191,10 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 flow.guarded("abort", None, None, flow.abort, handle.rid)
 
         def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
-            flow.guarded("reset", None, None, held.clear, self)
-            heads = cache_reuse(self).heads
-            if heads is not None:
-                heads.clear()
+            flow.guarded("reset", None, None, donors.clear, self)
             out = orig_reset(self, *args, **kwargs)
             # /flush_cache and friends: every donor's KV is gone
-            flow.guarded("reset", None, None, flow.runtime.forget_all_donors)
+            flow.guarded("reset", None, None, donors.forget_all)
             return out
 
         wrappers: Wrappers = {
@@ -246,12 +241,11 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             params.donor_end,
             params.namespace,
         )
-        donor = self.flow.runtime.donor_tokens(handle)
-        store = held_of(cache)
-        held = None if store is None else store.get(handle)
-        if donor is None or len(donor) < donor_end:
-            self._forget(cache, handle)
+        donors = self.flow.donors
+        start = donors.match_start(cache, handle, donor_end)
+        if start is None:
             return DonorMatch.missing(Reason.DONOR_EVICTED)
+        donor, held = start
         tree_end = donor_end if held is None else min(donor_end, held.held_from)
         path = torch.empty(0, dtype=torch.int64)
         node = None
@@ -269,7 +263,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             if held is None and on_device < donor_end:
                 if on_device + _host_len(found) >= donor_end:
                     return DonorMatch.missing(Reason.DONOR_ON_HOST)
-                self._forget(cache, handle)
+                donors.forget(handle, cache)
                 return DonorMatch.missing(Reason.DONOR_EVICTED)
             if on_device > 0:
                 node = found.last_device_node
@@ -280,8 +274,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             if on_device < tree_end:  # a held donor whose head left the tree in part
                 path = torch.cat([path, torch.full((tree_end - on_device,), -1, dtype=torch.int64)])
         if held is not None and donor_end > held.held_from:
-            path = torch.cat([path, held.slots[: donor_end - held.held_from].cpu()])
-            self.flow.held.matched()
+            path = torch.cat([path, donors.held_slots(held, donor_end)])
         return DonorMatch(DonorSlots(path, node))
 
     @staticmethod
@@ -293,63 +286,13 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         """A held donor keeps its whole prompt (its head's slots are checked at the copy); any
         other donor has the leading tokens the tree still holds, on the device or in host
         memory (SGLang's load-back brings those back)."""
-        store = held_of(cache)
 
         def alive(handle: Any, tokens: Any) -> int:
-            if store is not None and handle in store:
+            if self.flow.donors.holds(cache, handle):
                 return len(tokens)
             return _cached_len(cache, array("q", tokens.tolist()), namespace)
 
         return alive
-
-    # ----------------------------------------------------------------- donors whose KV is gone
-    def _forget(self, cache: Any, handle: Any) -> None:
-        """Donor ``handle``'s KV is gone: forget it, and free what the store held of it."""
-        heads = cache_reuse(cache).heads
-        if heads is not None:
-            heads.unwatch(handle)
-        self.flow.held.drop(cache, handle)
-        self.flow.runtime.forget_donor(handle)
-
-    def _watch_head(self, cache: Any, req: Any) -> None:
-        """Watch the tree slot of a just-registered donor's first token (:mod:`.donor_heads`)."""
-        runtime = self.flow.runtime
-        handle = runtime.donor_handle(req.rid)
-        if handle is None or not runtime.is_donor(handle):
-            return
-        state = cache_reuse(cache)
-        if state.heads is None:
-            state.heads = DonorHeads(self.config.max_donors, runtime.is_donor)
-        if handle not in state.heads:
-            slot = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][0]
-            state.heads.watch(handle, int(slot))
-
-    def _note_freed(self, cache: Any, device_frees: Any) -> None:
-        """SGLang's tree freed ``device_frees`` (slots per component): note watched heads."""
-        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-        heads = cache_reuse(cache).heads
-        if heads is not None:
-            for slots in device_frees.get(ComponentType.FULL, ()):
-                heads.freed(slots)
-
-    def _forget_evicted(self, cache: Any) -> None:
-        """After an eviction: forget each donor whose head slot it freed (held donors stay).
-        With a host tier (HiCache) a freed device slot may be a demotion, so those donors stay
-        until a lookup finds their KV gone. No tree match here: a match splits nodes and
-        refreshes their LRU order, which would keep what the eviction is freeing."""
-        heads = cache_reuse(cache).heads
-        if heads is None:
-            return
-        freed = heads.take_freed()
-        if getattr(cache, "cache_controller", None) is not None:
-            return
-        store = held_of(cache)
-        runtime = self.flow.runtime
-        for handle in freed:
-            if runtime.is_donor(handle) and (store is None or handle not in store):
-                self._forget(cache, handle)
-                runtime.evicted_donors += 1
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:

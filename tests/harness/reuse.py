@@ -15,7 +15,7 @@ import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import rotate_k
-from semblend_sglang.patches.sglang.held_donors import held_of
+from semblend_sglang.patches.sglang.donor_kv import held_of
 from semblend_sglang.patches.sglang.request_reuse import ReuseState
 from tests.harness.driver import CacheHarness
 from tests.harness.invariants import assert_drained, check_invariants
@@ -69,7 +69,7 @@ def check_loaded_kv(h: CacheHarness, flow: Any, req: Any) -> int:
         dst = row[span.target_start : span.target_end].to(torch.int64)
         held = None if store is None else store.get(donor)
         tree_end = span.donor_end if held is None else min(span.donor_end, held.held_from)
-        path, _ = h.tree_match(runtime.donor_tokens(donor)[:tree_end].tolist())
+        path, _ = h.tree_match(flow.donors.tokens(donor)[:tree_end].tolist())
         assert path.numel() == tree_end  # the copied positions were all resident
         if held is not None:  # held-donor KV after the tree part
             path = torch.cat([path, held.slots[: span.donor_end - held.held_from]])

@@ -1,0 +1,287 @@
+"""The one owner of donor KV in a scheduler process (:class:`DonorKV`): which requests are
+donors, what the held store (:mod:`.held_donors`) keeps of them, which head slots are watched
+(:mod:`.donor_heads`), and every way a donor is forgotten: its head evicted, its KV missing at a
+match, dropped by the index, the cache reset. Imports no sglang module: the adapters pass what
+is named per version in; caches and rows are read by duck typing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from semblend_sglang.namespace import Namespace
+from semblend_sglang.provider import SemanticProvider
+
+from .donor_heads import DonorHeads
+from .held_donors import HeldDonor, HeldDonorCounts, HeldDonorStore
+
+CACHE_ATTR = "_semblend_cache"
+"""Attribute of a tree-cache instance that holds its :class:`CacheReuse`."""
+
+
+@dataclass
+class CacheReuse:
+    """One tree cache's held store (``held``) and watched donor heads (``heads``), if any."""
+
+    held: HeldDonorStore | None = None
+    heads: DonorHeads | None = None
+
+
+def cache_reuse(cache: Any) -> CacheReuse:
+    """The :class:`CacheReuse` of tree cache ``cache`` (created on first use)."""
+    if not hasattr(cache, CACHE_ATTR):
+        setattr(cache, CACHE_ATTR, CacheReuse())
+    return _reuse(cache)
+
+
+def _reuse(cache: Any) -> CacheReuse:
+    """The :class:`CacheReuse` of ``cache``, or an empty one not attached to it."""
+    found: CacheReuse = getattr(cache, CACHE_ATTR, None) or CacheReuse()
+    return found
+
+
+def held_of(cache: Any) -> HeldDonorStore | None:
+    """The held store of ``cache``, or None when it never held a donor."""
+    return _reuse(cache).held
+
+
+@dataclass(frozen=True)
+class PendingKeep:
+    """A finished request that reused KV, between its last checkpoint and its row's release:
+    what its held donor entry will be registered as (:class:`DonorKV`'s, until ``free_kv_row``)."""
+
+    kv: Any
+    rid: str
+    namespace: Namespace
+    tokens: list[int]
+
+
+class DonorKV:
+    """The donors of one scheduler process: the rid -> handle registry, the held stores' policy
+    and counters (``held_donors`` / ``evicted_donors`` in the runtime's snapshot), the head watch.
+    Owned by the :class:`~.request_flow.RequestFlow` (``flow.donors``) and called by it, the
+    adapters' hooks and substitute mode, on the scheduler thread only. Every method may raise;
+    one that took slots frees them first (the caller's guard makes the error a counted fallback)."""
+
+    def __init__(self, provider: SemanticProvider, max_donors: int) -> None:
+        self.provider = provider
+        self._max_donors = max_donors
+        self._handles: dict[str, Hashable] = {}  # live donor requests' handles
+        self._next_handle = itertools.count()
+        self.counts = HeldDonorCounts()
+        self.evicted = 0  # donors forgotten when SGLang's eviction freed their head slot
+        self._pending: dict[int, PendingKeep] = {}  # by id(req.kv): mark() to take_pending()
+
+    def snapshot(self) -> dict[str, Any]:
+        """``held_donors`` (the held stores' counters) and ``evicted_donors``."""
+        return {"held_donors": dataclasses.asdict(self.counts), "evicted_donors": self.evicted}
+
+    def register(
+        self, namespace: Namespace, rid: str, tokens: Any, *, extend: bool = False
+    ) -> list[Hashable]:
+        """Index a request's prompt tokens whose KV the engine holds as a donor: once per request,
+        or, with ``extend``, replacing the tokens an earlier call registered for ``rid`` (its
+        handle is kept). Returns the donors the index dropped to stay within its bound (the
+        caller frees what it keeps for them)."""
+        handle = self._handles.get(rid)
+        if handle is not None and not extend:
+            return []
+        if handle is None:
+            handle = next(self._next_handle)
+            self._handles[rid] = handle
+        return self.provider.register(namespace, handle, tokens)
+
+    def handle_of(self, rid: str) -> Hashable | None:
+        """The donor handle of live request ``rid``, or None when it is not a donor."""
+        return self._handles.get(rid)
+
+    def is_donor(self, handle: Hashable) -> bool:
+        """True while ``handle`` is a registered donor."""
+        return self.provider.has_donor(handle)
+
+    def tokens(self, handle: Hashable) -> Any:
+        """The donor's tokens as the index keeps them, or None when it was dropped."""
+        return self.provider.donor_tokens(handle)
+
+    def release(self, rid: str) -> None:
+        """Request ``rid`` ended: its handle is no longer looked up by rid (the donor stays)."""
+        self._handles.pop(rid, None)
+
+    def forget(self, handle: Hashable, cache: Any = None) -> None:
+        """Donor ``handle``'s KV is gone: the index forgets it; given its tree ``cache``, its
+        head is unwatched and what the held store kept of it is freed."""
+        state = _reuse(cache)
+        if state.heads is not None:
+            state.heads.unwatch(handle)
+        if state.held is not None and state.held.drop(handle):
+            self.counts.dropped += 1
+            self.counts.tokens = state.held.held_tokens
+        self.provider.forget(handle)
+
+    def forget_all(self) -> None:
+        """Drop every donor (the engine's cache was reset, so none of their KV exists)."""
+        for handle in self.provider.index.handles():
+            self.provider.forget(handle)
+
+    def clear(self, cache: Any) -> None:
+        """``cache`` is being reset: stop watching heads and free every held donor (the caller
+        calls :meth:`forget_all` after the reset)."""
+        state = _reuse(cache)
+        if state.heads is not None:
+            state.heads.clear()
+        if state.held is not None:
+            self.counts.dropped += len(state.held.clear())
+            self.counts.tokens = 0
+
+    def watch_head(self, cache: Any, req: Any) -> None:
+        """``req`` was checkpointed: watch its first token's tree slot if it is a donor."""
+        handle = self._handles.get(req.rid)
+        if handle is None or not self.is_donor(handle):
+            return
+        state = cache_reuse(cache)
+        if state.heads is None:
+            state.heads = DonorHeads(self._max_donors, self.is_donor)
+        if handle not in state.heads:
+            slot = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][0]
+            state.heads.watch(handle, int(slot))
+
+    def freed(self, cache: Any, device_frees: Any, component: Any) -> None:
+        """SGLang's tree freed ``device_frees`` of ``cache`` (slot tensors per component): note
+        the watched heads among those of ``component`` (the full-attention KV)."""
+        heads = _reuse(cache).heads
+        if heads is not None:
+            for slots in device_frees.get(component, ()):
+                heads.freed(slots)
+
+    def forget_evicted(self, cache: Any) -> None:
+        """After an eviction: forget each donor whose head slot it freed (held donors stay).
+        With a host tier (HiCache) a freed device slot may be a demotion, so those donors stay
+        until a lookup finds their KV gone. No tree match here: a match splits nodes and
+        refreshes their LRU order, which would keep what the eviction is freeing."""
+        state = _reuse(cache)
+        if state.heads is None:
+            return
+        freed = state.heads.take_freed()
+        if getattr(cache, "cache_controller", None) is not None:
+            return
+        for handle in freed:
+            if self.is_donor(handle) and handle not in (state.held or ()):
+                self.forget(handle, cache)
+                self.evicted += 1
+
+    def match_start(
+        self, cache: Any, handle: Hashable, donor_end: int
+    ) -> tuple[Any, HeldDonor | None] | None:
+        """The tokens of donor ``handle`` and its held entry in ``cache`` (None: not held), for
+        a match of its positions [0, donor_end); None, the donor forgotten, when its tokens are
+        gone or shorter."""
+        donor = self.tokens(handle)
+        store = held_of(cache)
+        held = None if store is None else store.get(handle)
+        if donor is None or len(donor) < donor_end:
+            self.forget(handle, cache)
+            return None
+        return donor, held
+
+    def held_slots(self, held: HeldDonor, donor_end: int) -> torch.Tensor:
+        """The held slots of ``held``'s positions up to ``donor_end`` (CPU), counted as a match
+        that used held slots."""
+        self.counts.matched += 1
+        return held.slots[: donor_end - held.held_from].cpu()
+
+    def holds(self, cache: Any, handle: Hashable) -> bool:
+        """True while ``cache``'s held store keeps donor ``handle``."""
+        return handle in (held_of(cache) or ())
+
+    def held_tokens(self, cache: Any) -> int:
+        """Slots held as donor KV outside ``cache``'s tree (0 when it has no store)."""
+        store = held_of(cache)
+        return 0 if store is None else store.held_tokens
+
+    def mark(self, pending: PendingKeep) -> None:
+        """Keep ``pending``'s unpublished prompt KV when its row is released."""
+        self._pending[id(pending.kv)] = pending
+
+    def take_pending(self, kv: Any) -> PendingKeep | None:
+        """The pending keep of row handle ``kv`` (removed), or None."""
+        pending = self._pending.pop(id(kv), None)
+        return pending if pending is not None and pending.kv is kv else None
+
+    def split_release(
+        self, cache: Any, pending: PendingKeep, ranges: list[tuple[int, int]]
+    ) -> tuple[list[tuple[int, int]], torch.Tensor, int] | None:
+        """The release of a row marked with ``pending`` frees ``ranges``: (what is still to be
+        freed, the prompt slots to keep, their first position), or None to free everything
+        (nothing of the prompt is unpublished, the row is not the expected one, or no whole
+        page of it is). With pages the store keeps whole pages only: from ``lo`` (a page
+        boundary) to the last page boundary inside the prompt; the page the prompt ends in
+        also holds output tokens and is freed with them, so every page has one owner."""
+        page = int(cache.page_size)
+        if len(ranges) != 1:
+            return None
+        lo, hi = int(ranges[0][0]), int(ranges[0][1])
+        prompt_len = len(pending.tokens)
+        if not lo < prompt_len <= hi:
+            return None
+        kept_end = prompt_len // page * page
+        if lo % page or kept_end <= lo:
+            return None
+        row = cache.req_to_token_pool.req_to_token[pending.kv.req_pool_idx]
+        slots = row[lo:kept_end].to(torch.int64).clone()
+        return ([(kept_end, hi)] if kept_end < hi else []), slots, lo
+
+    def keep(self, cache: Any, pending: PendingKeep, slots: torch.Tensor, held_from: int) -> None:
+        """Hold ``slots`` (prompt positions from ``held_from`` on, no longer in the request's
+        row) as donor KV of ``pending``'s prompt up to the last held position. On any failure
+        before the store owns them the slots are freed."""
+        store = self._store(cache)
+        try:
+            held_to = held_from + int(slots.numel())  # the prompt's KV ends here
+            dropped = self.register(
+                pending.namespace, pending.rid, pending.tokens[:held_to], extend=True
+            )
+            handle = self.handle_of(pending.rid)
+            if handle is None or not self.is_donor(handle):
+                cache.token_to_kv_pool_allocator.free(slots)
+                return
+        except BaseException:
+            cache.token_to_kv_pool_allocator.free(slots)
+            raise
+        store.keep(handle, held_from, slots)
+        gone = [h for h in dropped if h in store]
+        store.drop_all(gone)
+        self.counts.kept += 1
+        self.counts.dropped += len(gone)
+        self.counts.tokens = store.held_tokens
+
+    def _store(self, cache: Any) -> HeldDonorStore:
+        """The store of ``cache`` (created on first use; it frees into the cache's allocator)."""
+        state = cache_reuse(cache)
+        if state.held is None:
+            state.held = HeldDonorStore(cache.token_to_kv_pool_allocator.free)
+        return state.held
+
+    def evict(self, cache: Any, num_tokens: int) -> int:
+        """Free held donors before SGLang's tree evicts anything: those whose donor the provider
+        dropped first, then least recently used ones until ``num_tokens`` slots were freed
+        (their donors forgotten). Returns the slots freed."""
+        store = held_of(cache)
+        if store is None or not len(store) or num_tokens <= 0:
+            return 0
+        before = store.held_tokens
+        orphans = [h for h in store.handles() if not self.is_donor(h)]
+        store.drop_all(orphans)
+        freed = before - store.held_tokens
+        more, gone = store.evict(num_tokens - freed)
+        for handle in gone:
+            self.forget(handle)
+        self.counts.dropped += len(orphans)
+        self.counts.evicted += len(gone)
+        self.counts.tokens = store.held_tokens
+        return freed + more
