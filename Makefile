@@ -86,7 +86,7 @@ bench: venv
 # for QUALITY_MODEL=qwen2.5-coder-0.5b-instruct), joins, verifies and converts them once.
 QUALITY_MODEL ?= qwen2.5-coder-1.5b-instruct
 # Two float32 servers (vanilla, exact_spans) of the 1.5B take ~8 GB each with a 16,384-token KV pool.
-QUALITY_BENCH_ARGS ?= --workloads qa_rag,qa_rag_corpus --lengths 1024 --systems vanilla,exact_spans \
+QUALITY_BENCH_ARGS ?= --workloads qa_rag,qa_rag_corpus,qa_retrieval --lengths 1024 --systems vanilla,exact_spans \
 	--server-arg=--max-total-tokens --server-arg=16384
 
 bench-quality: venv
