@@ -228,11 +228,11 @@ def test_the_reorder_system_hits_sglang_exact_prefix_cache(
 ) -> None:
     """The lossless anchor on the real CPU server: vanilla SGLang, after the donor, sent the
     qa_rag probe with its passages in the donor's order, so SGLang's own exact prefix cache
-    serves every passage; its answer is scored and paired with the cold run of the original
-    prompt."""
+    serves every passage; its answer is scored against gold. (The pairing with vanilla's cold
+    run is tests/test_bench_qa.py's; one server here keeps this test short.)"""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "semblend_sglang.bench", "--quick", "--repeats", "1"]
-    cmd += ["--workloads", "qa_rag", "--systems", "vanilla,reorder"]
+    cmd += ["--workloads", "qa_rag", "--systems", "reorder"]
     cmd += ["--model-path", str(smollm2_model_dir), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -241,9 +241,9 @@ def test_the_reorder_system_hits_sglang_exact_prefix_cache(
     runs = [r for r in report["records"] if r["system"] == "reorder"]
     assert [r["kind"] for r in runs] == ["reordered"] and len(runs[0]["output_ids"]) > 0
     assert row["reorder_cached_fraction"] > 0.8  # SGLang's own cached_tokens
-    assert row["reorder_n"] == 1 and 0.0 <= row["reorder_greedy_agreement"] <= 1.0
+    assert row["reorder_n"] == 1 and row["reorder_greedy_agreement"] is None  # no cold run
     (cells,) = row["qa_by_dataset"].values()
-    assert cells["reorder"]["paired"] == 1 and cells["reorder"]["agreement"] in (0.0, 1.0)
+    assert cells["reorder"]["n"] == 1 and cells["reorder"]["paired"] == 0
     assert "reorder" in proc.stdout
 
 
