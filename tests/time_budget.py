@@ -19,12 +19,12 @@ from semblend_sglang.bench.report import cpu_model
 
 SLOWEST = 20
 
-BUDGETS_S = {"Intel(R) Xeon(R) Processor": 1700.0}
+BUDGETS_S = {"Intel(R) Xeon(R) Processor": 2300.0}
 """Seconds the :data:`SLOWEST` slowest tests may take together on a machine kind, keyed by its
 CPU model name exactly as ``/proc/cpuinfo`` gives it: the total measured quietly on that kind
 plus about a third (docs/perf.md, "CI wall time")."""
 
-DEFAULT_BUDGET_S = 2975.0
+DEFAULT_BUDGET_S = 4025.0
 """The budget on any other CPU: the Xeon's times 1.75 (AMD EPYC, the slowest kind these machines
 have been, ran the whole suite 1.75 times as long as the Xeon)."""
 
