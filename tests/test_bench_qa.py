@@ -22,7 +22,7 @@ from semblend_sglang.bench.builtin_workloads import (
 )
 from semblend_sglang.bench.client import Answer
 from semblend_sglang.bench.e2e_runner import ProbeRecord, Runner, requests_per_group
-from semblend_sglang.bench.e2e_summary import qa_columns, summarize
+from semblend_sglang.bench.e2e_summary import summarize
 from semblend_sglang.bench.e2e_table import markdown_table
 from semblend_sglang.bench.metrics import (
     answer_span,
@@ -41,6 +41,7 @@ from semblend_sglang.bench.qa_data import (
     qa_data_dir,
     qa_items,
 )
+from semblend_sglang.bench.qa_summary import qa_columns
 from semblend_sglang.bench.report import console_table
 from semblend_sglang.bench.workloads import GoldAnswer, RequestGroup, Workload
 

@@ -76,7 +76,7 @@ rows carry per semblend system ``_recompute_check_share`` and ``_recompute_check
 semblend systems' ``reference_logprobs`` come from a request sent after a flush and the group's
 donors again (before, it could reuse the probe itself and be repaired twice). 11: summary rows
 carry ``qa_by_dataset`` (dataset -> source -> scores, agreement with cold, McNemar's paired
-test; :func:`.e2e_summary.qa_columns`) instead of the cross-dataset ``_accuracy``, ``_f1`` and
+test; :func:`.qa_summary.qa_columns`) instead of the cross-dataset ``_accuracy``, ``_f1`` and
 ``_qa_n``. 12: the ``reorder`` system (records: system ``reorder``, kind ``reordered``); summary
 rows carry ``reorder_ms_*``, ``exact_spans_over_reorder`` (paired, with ``_min``, ``_max``,
 ``_n``), ``reorder_cached_fraction``, ``reorder_greedy_agreement`` and a ``reorder`` source in

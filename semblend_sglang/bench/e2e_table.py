@@ -6,7 +6,7 @@ SEMBLEND_RECOMPUTE_RATIO=0.05``). Strategy and ratio are what each run's server 
 rows' ``exact_spans_recompute_strategy`` and ``_ratio``, JSON schema 4 and later); a report
 without them (schema 3) shows ``?``. Rows with QA probes add a second table, one line per row,
 dataset and system: each dataset's scores cold and with reuse, agreement with cold and
-McNemar's paired test (:func:`.e2e_summary.qa_columns`).
+McNemar's paired test (:func:`.qa_summary.qa_columns`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 import click
 
 from .e2e_runner import ProbeRecord
-from .e2e_summary import qa_columns, qa_lines, row_name
+from .e2e_summary import row_name
+from .qa_summary import qa_columns, qa_lines
 from .report import QA_COLUMNS, qa_cell_values, ratio_label
 
 MARGIN_KEY = "exact_spans_divergence_margin"
@@ -146,7 +147,7 @@ def markdown_table(reports: Sequence[Mapping[str, Any]]) -> str:
     length and :data:`MARKDOWN_COLUMNS`; then, when a row has QA probes, :data:`QA_HEADING` and
     a second table with the same first columns, dataset, system and
     :data:`QA_MARKDOWN_COLUMNS`, one line per row, dataset and system
-    (:func:`.e2e_summary.qa_lines`). ``—`` for a missing value. Rows sorted by context length,
+    (:func:`.qa_summary.qa_lines`). ``—`` for a missing value. Rows sorted by context length,
     row name, strategy, ratio, minimum deviation, then check share; a header line only when no
     report has such a row."""
     rows = sorted(

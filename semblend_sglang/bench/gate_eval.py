@@ -35,8 +35,8 @@ from pathlib import Path
 import click
 
 from .e2e_runner import ProbeRecord
-from .e2e_summary import UNNAMED_DATASET, dataset_order
 from .metrics import score_answer
+from .qa_summary import UNNAMED_DATASET, dataset_order
 
 RISK_SIGN = {"residual": 1.0, "first_margin": -1.0}
 """Per signal, +1 when a higher value is riskier (flagged above the threshold), -1 when a lower

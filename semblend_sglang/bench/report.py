@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .e2e_summary import RECOMPUTE_SETTINGS, qa_lines, row_name
+from .e2e_summary import RECOMPUTE_SETTINGS, row_name
+from .qa_summary import qa_lines
 from .systems import REORDER, SGLANG_DISPATCH
 
 PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
@@ -133,7 +134,7 @@ QA_SOURCE_LABELS: dict[str, str] = {
     SGLANG_DISPATCH: "sgl-dp",
     REORDER: "reorder",
 }
-"""How the console's QA table names each :data:`.e2e_summary.QA_SOURCES` source."""
+"""How the console's QA table names each :data:`.qa_summary.QA_SOURCES` source."""
 
 QA_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("n", "n", "s"),
@@ -163,7 +164,7 @@ QA_TABLE_LEGEND = (
 
 def qa_cell_values(source: str, cell: Mapping[str, Any]) -> dict[str, Any]:
     """One QA table line's values (keys of :data:`QA_COLUMNS`) from a
-    :func:`.e2e_summary.qa_columns` cell of ``source``: ``n`` as ``"n"``, or ``"n (k)"`` when
+    :func:`.qa_summary.qa_columns` cell of ``source``: ``n`` as ``"n"``, or ``"n (k)"`` when
     only ``k`` of its probes have a cold run; ``b_c`` as ``"b/c"``. A ``cold`` cell (no other
     source ran) fills the cold columns and leaves the others None."""
     if source == "cold":
@@ -184,7 +185,7 @@ def qa_cell_values(source: str, cell: Mapping[str, Any]) -> dict[str, Any]:
 
 def qa_console_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The QA lines of the console report: one per row, dataset and system
-    (:func:`.e2e_summary.qa_lines`) with :data:`QA_COLUMNS`, then :data:`QA_TABLE_LEGEND`;
+    (:func:`.qa_summary.qa_lines`) with :data:`QA_COLUMNS`, then :data:`QA_TABLE_LEGEND`;
     empty when no row has QA cells."""
     head = ["workload", "ctx", "dataset", "system", *(h for h, _, _ in QA_COLUMNS)]
     body: list[list[str]] = []
