@@ -21,6 +21,7 @@ from semblend_sglang.bench.e2e import command
         (["--semblend-env", "FOO"], "--semblend-env", "expected KEY=VALUE"),
         (["--seed", "many"], "--seed", "'many' is not a valid integer"),
         (["--workload", "/nonexistent.jsonl"], "--workload", "does not exist"),
+        (["--answers-only", "--repeats", "2"], "--answers-only", "measures each probe once"),
     ],
 )
 def test_a_malformed_flag_is_one_usage_error_naming_it(

@@ -156,6 +156,43 @@ def test_runner_interleaves_systems_per_probe_and_decodes_in_the_first_repeat_on
         Runner(clients, repeats=0)
 
 
+def test_answers_only_sends_what_the_answers_need_and_nothing_else() -> None:
+    """A quality run: the semblend probe after its donors and vanilla's cold probe, once; no
+    vanilla prefix, exact hit or reference, and no donors resent for a reference."""
+    log: list[tuple[str, str, int]] = []
+    clients: Any = {
+        "exact_spans": _RecordingClient("exact_spans", log, True),
+        "vanilla": _RecordingClient("vanilla", log, False),
+    }
+    donors = (
+        BenchRequest(tuple(range(1, 300)), "donor"),
+        BenchRequest(tuple(range(3, 300)), "donor"),
+    )
+    probe = BenchRequest(tuple(range(2, 300)), "probe", reference_ids=(5, 6))
+    group = RequestGroup("g0", (*donors, probe))
+    steps: list[int] = []
+    runner = Runner(clients, greedy_tokens=4, progress=steps.append, answers_only=True)
+    runner.run_group(Workload("rag", 512, (group,)), group)
+    assert [(r.system, r.kind, len(r.output_ids)) for r in runner.records] == [
+        ("exact_spans", "semantic", 4),
+        ("vanilla", "cold", 4),
+    ]
+    assert [(n, what) for n, what, _ in log] == [
+        ("exact_spans", "flush"),
+        ("exact_spans", "generate"),
+        ("exact_spans", "generate"),
+        ("exact_spans", "generate"),
+        ("vanilla", "flush"),
+        ("vanilla", "generate"),
+    ]
+    assert all(not r.reference_logprobs for r in runner.records)
+    assert sum(steps) == requests_per_group(group, ["vanilla", "exact_spans"], 1, True) == 4
+    full = requests_per_group(group, ["vanilla", "exact_spans"], 1)
+    assert full == (2 + 1) + 2 + (1 + 2 + 2)  # donors + probe, resent donors, vanilla's five
+    with pytest.raises(ValueError, match="once"):
+        Runner(clients, repeats=2, answers_only=True)
+
+
 _BUSY = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end: pass"
 
 

@@ -49,7 +49,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -80,7 +80,9 @@ test; :func:`.qa_summary.qa_columns`) instead of the cross-dataset ``_accuracy``
 ``_qa_n``. 12: the ``reorder`` system (records: system ``reorder``, kind ``reordered``); summary
 rows carry ``reorder_ms_*``, ``exact_spans_over_reorder`` (paired, with ``_min``, ``_max``,
 ``_n``), ``reorder_cached_fraction``, ``reorder_greedy_agreement`` and a ``reorder`` source in
-``qa_by_dataset``; per semblend system ``_recompute_check_span_limit`` (resolved)."""
+``qa_by_dataset``; per semblend system ``_recompute_check_span_limit`` (resolved). 13: options
+carry ``answers_only`` (``--answers-only``: no ``prefix`` or ``exact_same_length`` records, no
+``reference_logprobs``)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -180,16 +182,22 @@ def _workload_over_essays(
 )
 @click.option(
     "--repeats",
-    default=DEFAULT_REPEATS,
-    show_default=True,
+    default=None,
     type=click.IntRange(1, 20),
-    help="Measurements of each probe on each system (systems interleaved per probe); the "
-    "first also measures quality.",
+    help=f"Measurements of each probe on each system (systems interleaved per probe); the "
+    f"first also measures quality (default {DEFAULT_REPEATS}; 1 with --answers-only).",
+)
+@click.option(
+    "--answers-only",
+    is_flag=True,
+    help="A quality run: each probe once, only the requests whose answers are scored (no "
+    "vanilla prefix or exact-hit TTFT, no PPL references), so that a run of many probes "
+    "takes about half the time. TTFT columns are then cold and reuse only.",
 )
 @click.option(
     "--lengths", default=None, help="Context lengths, comma-separated (default 512,1024,2048)."
 )
-@click.option("--groups", default=None, type=click.IntRange(1, 50), help="Groups per workload.")
+@click.option("--groups", default=None, type=click.IntRange(1, 200), help="Groups per workload.")
 @click.option(
     "--workloads",
     "workload_names",
@@ -252,7 +260,8 @@ def _workload_over_essays(
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def command(
     quick: bool,
-    repeats: int,
+    repeats: int | None,
+    answers_only: bool,
     lengths: str | None,
     groups: int | None,
     workload_names: str | None,
@@ -284,6 +293,12 @@ def command(
     from .workload_file import WorkloadFileError, load_workload_file
 
     started = time.monotonic()
+    if answers_only and repeats not in (None, 1):
+        raise click.BadParameter(
+            "measures each probe once: leave --repeats out or give 1",
+            param_hint="'--answers-only'",
+        )
+    repeats = repeats or (1 if answers_only else DEFAULT_REPEATS)
     if systems is None:
         systems = ",".join(QUICK_SYSTEMS if quick else DEFAULT_SYSTEMS)
     chosen = parse_systems(systems)
@@ -336,7 +351,9 @@ def command(
         servers = start_servers(chosen, model, server_args, out_dir, semblend_env)
         url_map = {s: srv.url for s, srv in servers.items()}
     clients = {s: ServerClient(url_map[s]) for s in chosen}
-    total = sum(requests_per_group(g, chosen, repeats) for w in workloads for g in w.groups)
+    total = sum(
+        requests_per_group(g, chosen, repeats, answers_only) for w in workloads for g in w.groups
+    )
     # Servers named by --url are not this process's children: their CPU time would read as
     # foreign load, so the load is measured only for started servers.
     meter = LoadMeter(srv.process.pid for srv in servers.values()) if servers else None
@@ -361,6 +378,7 @@ def command(
                     repeats=repeats,
                     meter=meter,
                     sink=keep,
+                    answers_only=answers_only,
                 )
                 for workload in workloads:
                     for group in workload.groups:
@@ -392,6 +410,7 @@ def command(
             "lengths": length_list,
             "groups": n_groups,
             "repeats": repeats,
+            "answers_only": answers_only,
             "workloads": sorted({w.name for w in workloads}),
             "workload_file": None if workload_file is None else str(workload_file),
             "systems": chosen,

@@ -22,6 +22,10 @@ server (unless flushing is off):
   its passages reordered (``reordered``: SGLang's exact prefix cache on the lossless rewrite);
   its answer is compared with vanilla's cold run of the original prompt.
 
+With ``answers_only`` (a quality run: one repeat) only the requests whose answers are scored are
+sent: the semblend systems' donors and probe, vanilla's cold probe and reorder's; no ``prefix``,
+no ``exact_same_length`` and no teacher-forced references (no PPL ratio, no spans/exact).
+
 Quality is deterministic (greedy, float32): the first repeat (``repeat`` 0) decodes
 :data:`GREEDY_TOKENS` tokens and reads the reference logprobs (and cold's margins); later
 repeats time the first token only. A probe with a gold answer (the QA workloads) passes it to
@@ -161,7 +165,9 @@ class Runner:
     the snapshot's ``config``, None from a server that reports none; vanilla is absent).
     ``repeats``: how often each probe is measured (>= 1); ``meter``: reads the foreign load
     around every timed request (None: not recorded); ``sink``: called with every record once it
-    is complete, at the end of each group (the incremental records file), never twice."""
+    is complete, at the end of each group (the incremental records file), never twice;
+    ``answers_only``: send only what the answers need (module docstring; ``repeats`` must be
+    1)."""
 
     def __init__(
         self,
@@ -173,9 +179,12 @@ class Runner:
         repeats: int = 1,
         meter: LoadMeter | None = None,
         sink: Callable[[ProbeRecord], None] | None = None,
+        answers_only: bool = False,
     ) -> None:
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, not {repeats}")
+        if answers_only and repeats != 1:
+            raise ValueError(f"answers_only measures each probe once, not {repeats} times")
         self.clients = clients
         self.greedy_tokens = greedy_tokens
         self.flush = flush
@@ -183,6 +192,7 @@ class Runner:
         self.repeats = repeats
         self.meter = meter
         self.sink = sink
+        self.answers_only = answers_only
         self.records: list[ProbeRecord] = []
         self.configs: dict[str, dict[str, Any] | None] = {}
 
@@ -292,7 +302,7 @@ class Runner:
                 hook_ms=hook_ms_delta(before, after),
             )
             self.progress(1)
-            if repeat == 0 and probe.reference_ids:
+            if repeat == 0 and probe.reference_ids and not self.answers_only:
                 # the reference must see the probe's donors, not the probe held as a donor:
                 # reusing the probe would repair its state a second time (an optimistic PPL)
                 self._flush(client)
@@ -311,7 +321,7 @@ class Runner:
         probe = group.probes[i]
         full = repeat == 0
         tokens = self.greedy_tokens if full else 1
-        if group.donors:
+        if group.donors and not self.answers_only:
             self._flush(client)
             self._send_donors(client, group)
             # TTFT only: its output is not compared with anything
@@ -335,11 +345,11 @@ class Runner:
             self._generate(client, probe.prompt_ids, tokens, margins=full),
             repeat,
         )
-        if full:
+        if full and not self.answers_only:
             rec.reference_logprobs = self._reference(client, probe)
         self.progress(1)
         c = reused or 0
-        if group.donors and 0 < c < len(probe.prompt_ids):
+        if group.donors and 0 < c < len(probe.prompt_ids) and not self.answers_only:
             self._flush(client)
             client.generate(probe.prompt_ids[:c], 1)
             self._record(
@@ -380,9 +390,11 @@ class Runner:
         return client.reference_logprobs(probe.prompt_ids, probe.reference_ids)
 
 
-def requests_per_group(group: RequestGroup, systems: Sequence[str], repeats: int = 1) -> int:
+def requests_per_group(
+    group: RequestGroup, systems: Sequence[str], repeats: int = 1, answers_only: bool = False
+) -> int:
     """How many progress steps :meth:`Runner.run_group` reports for ``group`` measured
-    ``repeats`` times."""
+    ``repeats`` times (once, sending only what the answers need, with ``answers_only``)."""
     n = 0
     probes = len(group.probes)
     donors = len(group.donors)
@@ -391,9 +403,10 @@ def requests_per_group(group: RequestGroup, systems: Sequence[str], repeats: int
     for system in SEMBLEND_SYSTEMS:
         if system in systems:
             n += donors + probes
-            resent += donors * referenced  # the first repeat's reference runs after its donors
+            if not answers_only:  # the first repeat's reference runs after its donors
+                resent += donors * referenced
     if "vanilla" in systems:
-        n += probes * (1 + (donors + 2 if donors else 0))
+        n += probes * (1 + (donors + 2 if donors and not answers_only else 0))
     if REORDER in systems:
         n += sum(donors + 1 for probe in group.probes if probe.reordered_ids)
     return n * repeats + resent
