@@ -42,6 +42,7 @@ from semblend_sglang import recompute
 from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import RecomputeStrategy
 
+from .batch_shrink import attention_backend, shrink_batch, shrink_hidden
 from .one_pass import batch_reuse, wants_dense_reference
 from .request_flow import RequestFlow
 
@@ -284,13 +285,13 @@ class LayerHook:
         if backend is None:  # before any change: the later layers then compute every row
             raise RuntimeError("no attention backend to rebuild the shrunk batch's metadata")
         index = torch.nonzero(keep).flatten()
-        out = _shrink_hidden(out, index, forward_batch)
+        out = shrink_hidden(out, index, forward_batch)
         counts = []
         start = 0
         for length in check.extend_lens:
             counts.append(int(keep[start : start + length].sum()))
             start += length
-        _shrink_batch(forward_batch, index, positions, check.extend_lens, counts)
+        shrink_batch(forward_batch, index, positions, check.extend_lens, counts)
         check.positions = forward_batch.positions
         backend.init_forward_metadata(forward_batch)
         return out
@@ -310,20 +311,6 @@ class LayerHook:
 
 
 # -------------------------------------------------------------------------- helpers
-def attention_backend(forward_batch: Any) -> Any | None:
-    """The attention backend running ``forward_batch``'s forward, whose metadata the shrink
-    rebuilds: sglang 0.5.22+ keeps it in the forward context (``get_attn_backend``), not on
-    the batch; None when there is neither. A backend that builds its metadata once per forward
-    (triton, fa3, flashinfer) would otherwise attend the shrunk rows with the full batch's."""
-    try:
-        from sglang.srt.model_executor import forward_context
-    except ImportError:
-        forward_context = None  # type: ignore[assignment]
-    if forward_context is not None and forward_context.has_forward_context():
-        return forward_context.get_attn_backend()
-    return getattr(forward_batch, "attn_backend", None)
-
-
 def _request_starts(check: _ForwardCheck) -> list[int]:
     """The first row of each of the batch's requests in the forward of ``check`` (before the
     check layer), by request index."""
@@ -350,61 +337,6 @@ def _tail_rows(
     mine[pinned] = False
     rows = torch.nonzero(mine).flatten()[-recompute.QUERY_TAIL_TOKENS :]
     return rows + start
-
-
-def _shrink_hidden(out: Any, index: torch.Tensor, forward_batch: Any) -> Any:
-    """``out`` (a layer's output) restricted to the rows ``index``."""
-    if isinstance(out, tuple):
-        hidden, residual = out[0], out[1]
-        return (hidden[index], None if residual is None else residual[index], *out[2:])
-    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-
-    value = residual_batch.complete_output(out, forward_batch)
-    handoff = residual_batch.export_replay_handoff(value, forward_batch)
-    shrunk = residual_batch.ReplayHandoff(
-        handoff.value[index],
-        None if handoff.residual is None else handoff.residual[index],
-        handoff.update,
-        handoff.written,
-    )
-    return residual_batch.import_replay_handoff(shrunk, forward_batch)
-
-
-def _shrink_batch(
-    forward_batch: Any,
-    index: torch.Tensor,
-    positions: torch.Tensor,
-    old: tuple[int, ...],
-    new: list[int],
-) -> None:
-    """Restrict the forward batch's per-token fields to ``index``; per-request lengths become
-    ``new`` (from ``old``)."""
-    fb = forward_batch
-    total = sum(new)
-    fb.positions = positions[index]
-    fb.out_cache_loc = fb.out_cache_loc[index]
-    if fb.input_ids is not None and int(fb.input_ids.shape[0]) == sum(old):
-        fb.input_ids = fb.input_ids[index]
-    device = fb.extend_seq_lens.device
-    dtype = fb.extend_seq_lens.dtype
-    fb.extend_seq_lens = torch.tensor(new, dtype=dtype, device=device)
-    fb.extend_seq_lens_cpu = list(new)
-    fb.extend_num_tokens = total
-    if fb.extend_start_loc is not None:
-        starts = torch.zeros(len(new), dtype=fb.extend_start_loc.dtype)
-        if len(new) > 1:
-            starts[1:] = torch.cumsum(torch.tensor(new[:-1]), 0)
-        fb.extend_start_loc = starts.to(fb.extend_start_loc.device)
-    if fb.extend_logprob_start_lens_cpu is not None:
-        fb.extend_logprob_start_lens_cpu = [
-            n - (o - s) for n, o, s in zip(new, old, fb.extend_logprob_start_lens_cpu, strict=True)
-        ]
-    for name in ("num_token_non_padded", "global_num_token_non_padded"):
-        value = getattr(fb, name, None)
-        if isinstance(value, torch.Tensor):
-            value.fill_(total)
-    if isinstance(getattr(fb, "global_num_token_non_padded_cpu", None), int):
-        fb.global_num_token_non_padded_cpu = total
 
 
 def refusal(model_runner: Any, check_layer: int) -> str | None:
