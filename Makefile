@@ -87,7 +87,7 @@ bench: venv
 QUALITY_MODEL ?= qwen2.5-coder-1.5b-instruct
 # Two float32 servers (vanilla, exact_spans) of the 1.5B take ~8 GB each with a 16,384-token KV pool.
 QUALITY_BENCH_ARGS ?= --workloads qa_rag,qa_rag_corpus,qa_retrieval --lengths 1024 --systems vanilla,exact_spans \
-	--server-arg=--max-total-tokens --server-arg=16384
+	--answers-only --server-arg=--max-total-tokens --server-arg=16384
 
 bench-quality: venv
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps \
