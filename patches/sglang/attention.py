@@ -185,6 +185,21 @@ def sparse_extend_supported(backend: Any) -> bool:
     return False
 
 
+def runner_supported(model_runner: Any) -> bool:
+    """:func:`sparse_extend_supported` for ``model_runner``'s attention backend (True without
+    one), logged when it cannot run a sparse extend: the request flow declines every plan from
+    then on. Called once, at the first forward."""
+    backend = getattr(model_runner, "attn_backend", None)
+    if backend is None or sparse_extend_supported(backend):
+        return True
+    logger.warning(
+        "semblend: attention backend %s cannot run a sparse extend; every plan is declined as %s",
+        type(backend).__name__,
+        Reason.UNSUPPORTED_CACHE,
+    )
+    return False
+
+
 def _flag(value: str | None, default: bool) -> bool:
     flag = parse_flag(value)
     return default if flag is None else flag

@@ -1,25 +1,29 @@
 """The one owner of donor KV in a scheduler process (:class:`DonorKV`): which requests are
 donors, what the held store (:mod:`.held_donors`) keeps of them, which head slots are watched
 (:mod:`.donor_heads`), and every way a donor is forgotten: its head evicted, its KV missing at a
-match, dropped by the index, the cache reset. Imports no sglang module: the adapters pass what
-is named per version in; caches and rows are read by duck typing.
+match, dropped by the index, the cache reset. Imports no sglang module: the tree is read through
+the version's :class:`~.version_view.VersionView`; caches and rows are read by duck typing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import Reason
 from semblend_sglang.provider import SemanticProvider
 
 from .donor_heads import DonorHeads
-from .held_donors import HeldDonor, HeldDonorCounts, HeldDonorStore
+from .held_donors import HeldDonorCounts, HeldDonorStore
+from .request_info import eligible, namespace_for
+from .version_view import TreeMatch, TreeMatchParams
 
 CACHE_ATTR = "_semblend_cache"
 """Attribute of a tree-cache instance that holds its :class:`CacheReuse`."""
@@ -52,6 +56,41 @@ def held_of(cache: Any) -> HeldDonorStore | None:
 
 
 @dataclass(frozen=True)
+class DonorSlots:
+    """Where a donor's KV is: ``path[i]`` is the slot of donor position ``i`` (int64; -1 where
+    the donor's KV is not on the device), ``node`` the tree node to lock for the copy (None when
+    no position is in the tree)."""
+
+    path: torch.Tensor
+    node: Any = None
+
+
+@dataclass(frozen=True)
+class DonorMatchParams:
+    """What :meth:`DonorKV.match` is asked: donor ``handle``'s KV for its positions
+    ``[0, donor_end)``, in the tree of ``cache`` under the recipient's ``namespace``."""
+
+    cache: Any
+    namespace: Namespace
+    handle: Hashable
+    donor_end: int
+
+
+@dataclass(frozen=True)
+class DonorMatch:
+    """:meth:`DonorKV.match`'s answer: ``slots`` covering the asked positions, or the
+    ``reason`` (``donor_evicted``, ``donor_on_host``) they cannot be read."""
+
+    slots: DonorSlots | None = None
+    reason: str | None = None
+
+    @classmethod
+    def missing(cls, reason: str) -> DonorMatch:
+        """The donor's KV cannot be read, for ``reason``."""
+        return cls(None, reason)
+
+
+@dataclass(frozen=True)
 class PendingKeep:
     """A finished request that reused KV, between its last checkpoint and its row's release:
     what its held donor entry will be registered as (:class:`DonorKV`'s, until ``free_kv_row``)."""
@@ -64,14 +103,21 @@ class PendingKeep:
 
 class DonorKV:
     """The donors of one scheduler process: the rid -> handle registry, the held stores' policy
-    and counters (``held_donors`` / ``evicted_donors`` in the runtime's snapshot), the head watch.
-    Owned by the :class:`~.request_flow.RequestFlow` (``flow.donors``) and called by it, the
-    adapters' hooks and substitute mode, on the scheduler thread only. Every method may raise;
-    one that took slots frees them first (the caller's guard makes the error a counted fallback)."""
+    and counters (``held_donors`` / ``evicted_donors`` in the runtime's snapshot), the head watch,
+    where a donor's KV is (:meth:`match`: the tree through the version's ``tree_match``, then the
+    held store). Owned by the :class:`~.request_flow.RequestFlow` (``flow.donors``) and called by
+    it, the adapters' hooks and substitute mode. Every method may raise; one that took slots
+    frees them first (the caller's guard makes the error a counted fallback)."""
 
-    def __init__(self, provider: SemanticProvider, max_donors: int) -> None:
+    def __init__(
+        self,
+        provider: SemanticProvider,
+        config: Config,
+        tree_match: Callable[[TreeMatchParams], TreeMatch],
+    ) -> None:
         self.provider = provider
-        self._max_donors = max_donors
+        self.config = config
+        self._tree_match = tree_match
         self._handles: dict[str, Hashable] = {}  # live donor requests' handles
         self._next_handle = itertools.count()
         self.counts = HeldDonorCounts()
@@ -96,6 +142,35 @@ class DonorKV:
             handle = next(self._next_handle)
             self._handles[rid] = handle
         return self.provider.register(namespace, handle, tokens)
+
+    def register_published(
+        self, req: Any, published_len: int, cap: int | None, page_size: int
+    ) -> None:
+        """Index ``req``'s prompt as a donor (once) when the tree holds all of it that it ever
+        will: every whole ``page_size`` page of it up to ``published_len`` (at page size 1, all
+        of it; with pages the page the prompt ends in is held only once output tokens fill it,
+        else it stays with the request and is freed with it). For a request that reused KV
+        (``cap``: its publish cap) only its exact head ``prompt[:cap]``: everything after it is
+        approximate and was never published."""
+        prompt = req.origin_input_ids
+        end = len(prompt) if cap is None else min(int(cap), len(prompt))
+        held = int(published_len) // page_size * page_size
+        if held < end // page_size * page_size:
+            return  # more of it is still to be published
+        end = min(end, held)
+        if end >= self.config.min_prompt_tokens and eligible(req):
+            self.register(namespace_for(req), req.rid, list(prompt[:end]))
+
+    def mark_finished(self, req: Any, namespace: Namespace) -> None:
+        """``req`` finished having reused KV: with ``keep_reused_donors``, keep the unpublished
+        rest of its prompt as a held donor when its row is released (:meth:`keep`)."""
+        prompt = req.origin_input_ids
+        if (
+            self.config.keep_reused_donors
+            and len(prompt) >= self.config.min_prompt_tokens
+            and eligible(req)
+        ):
+            self.mark(PendingKeep(req.kv, req.rid, namespace, list(prompt)))
 
     def handle_of(self, rid: str) -> Hashable | None:
         """The donor handle of live request ``rid``, or None when it is not a donor."""
@@ -146,7 +221,7 @@ class DonorKV:
             return
         state = cache_reuse(cache)
         if state.heads is None:
-            state.heads = DonorHeads(self._max_donors, self.is_donor)
+            state.heads = DonorHeads(self.config.max_donors, self.is_donor)
         if handle not in state.heads:
             slot = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][0]
             state.heads.watch(handle, int(slot))
@@ -175,25 +250,38 @@ class DonorKV:
                 self.forget(handle, cache)
                 self.evicted += 1
 
-    def match_start(
-        self, cache: Any, handle: Hashable, donor_end: int
-    ) -> tuple[Any, HeldDonor | None] | None:
-        """The tokens of donor ``handle`` and its held entry in ``cache`` (None: not held), for
-        a match of its positions [0, donor_end); None, the donor forgotten, when its tokens are
-        gone or shorter."""
+    def match(self, params: DonorMatchParams) -> DonorMatch:
+        """Where donor ``handle``'s KV for its positions [0, donor_end) is: its tokens matched in
+        the tree, and for a held donor its held slots after the tree part (-1 where its head
+        left the tree). ``donor_on_host`` when HiCache holds the rest in host memory (the donor
+        is kept: SGLang's own load-back, an exact hit on it, brings it to the device again);
+        ``donor_evicted``, the donor forgotten, when its tokens or its KV are gone."""
+        cache, handle, donor_end = params.cache, params.handle, params.donor_end
         donor = self.tokens(handle)
         store = held_of(cache)
         held = None if store is None else store.get(handle)
         if donor is None or len(donor) < donor_end:
             self.forget(handle, cache)
-            return None
-        return donor, held
-
-    def held_slots(self, held: HeldDonor, donor_end: int) -> torch.Tensor:
-        """The held slots of ``held``'s positions up to ``donor_end`` (CPU), counted as a match
-        that used held slots."""
-        self.counts.matched += 1
-        return held.slots[: donor_end - held.held_from].cpu()
+            return DonorMatch.missing(Reason.DONOR_EVICTED)
+        tree_end = donor_end if held is None else min(donor_end, held.held_from)
+        path = torch.empty(0, dtype=torch.int64)
+        node = None
+        if tree_end > 0:
+            found = self._tree_match(TreeMatchParams(cache, params.namespace, donor, tree_end))
+            if held is None and found.on_device < donor_end:
+                if found.on_device + found.on_host >= donor_end:
+                    return DonorMatch.missing(Reason.DONOR_ON_HOST)
+                self.forget(handle, cache)
+                return DonorMatch.missing(Reason.DONOR_EVICTED)
+            if found.on_device > 0:
+                path, node = found.slots[: found.on_device], found.node
+            if found.on_device < tree_end:  # a held donor whose head left the tree in part
+                missing = torch.full((tree_end - found.on_device,), -1, dtype=torch.int64)
+                path = torch.cat([path, missing])
+        if held is not None and donor_end > held.held_from:
+            self.counts.matched += 1
+            path = torch.cat([path, held.slots[: donor_end - held.held_from].cpu()])
+        return DonorMatch(DonorSlots(path, node))
 
     def holds(self, cache: Any, handle: Hashable) -> bool:
         """True while ``cache``'s held store keeps donor ``handle``."""

@@ -41,7 +41,7 @@ from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
 from .substitute import substitute_request
-from .version_view import DonorMatch, DonorMatchParams, DonorSlots, VersionView
+from .version_view import TreeMatch, TreeMatchParams, VersionView
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ class LegacyRadixCacheAdapter(SglangAdapter):
             extend_end=lambda req: int(req.extend_range.end),
             lock=_lock_node,
             unlock=_unlock_node,
-            match_donor=self._match_donor,
-            cache_supported=self._cache_supported,
+            tree_match=self._tree_match,
+            serves=lambda cache: type(cache) in self._served and not getattr(cache, "is_eagle", 0),
             paged=False,
         )
         super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
@@ -235,13 +235,6 @@ class LegacyRadixCacheAdapter(SglangAdapter):
         return HookTable(wrappers, triton_attention=False)
 
     # ----------------------------------------------------------------- the view
-    def _cache_supported(self, cache: Any) -> bool:
-        return (
-            type(cache) in self._served
-            and not getattr(cache, "is_eagle", False)
-            and self.flow.pool_supported(cache)
-        )
-
     def _after_abort(self, waiting_before: list[Any], waiting_after: list[Any]) -> None:
         """Requests that ``abort_request`` took out of the waiting queue: drop their plans."""
         still = {id(r) for r in waiting_after}
@@ -249,31 +242,18 @@ class LegacyRadixCacheAdapter(SglangAdapter):
             if id(req) not in still:
                 self.flow.abort(req.rid)
 
-    def _match_donor(self, params: DonorMatchParams) -> DonorMatch:
-        """Where donor ``handle``'s KV for its positions [0, donor_end) is: its tokens matched
-        in the tree with the original ``match_prefix`` (which may split a node; slots do not
-        move). (donor_on_host, None) when HiCache holds the rest in host memory (the donor is
-        kept: it is used again once SGLang's own load-back, an exact hit on it, brings it to the
-        device); (donor_evicted, None) when it is gone, and the donor is forgotten."""
+    def _tree_match(self, params: TreeMatchParams) -> TreeMatch:
+        """The tree's match of ``tokens[:end]`` with the original ``match_prefix``: its device
+        indices, and the host-resident tail behind them (HiCache)."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        cache, handle, donor_end = params.cache, params.handle, params.donor_end
-        donors = self.flow.donors
-        donor = donors.tokens(handle)
-        if donor is None or len(donor) < donor_end:
-            donors.forget(handle)
-            return DonorMatch.missing(Reason.DONOR_EVICTED)
-        key = _radix_key(RadixKey, array("q", donor[:donor_end].tolist()), params.namespace)
-        found = self._donor_match(cache, MatchPrefixParams(key=key))
+        end = params.end
+        key = _radix_key(RadixKey, array("q", params.tokens[:end].tolist()), params.namespace)
+        found = self._donor_match(params.cache, MatchPrefixParams(key=key))
         on_device = len(found.device_indices)
-        if on_device < donor_end:
-            if _match_len(found) >= donor_end:
-                return DonorMatch.missing(Reason.DONOR_ON_HOST)
-            donors.forget(handle)
-            return DonorMatch.missing(Reason.DONOR_EVICTED)
-        path = found.device_indices[:donor_end].to(torch.int64)
-        return DonorMatch(DonorSlots(path, found.last_device_node))
+        slots = found.device_indices[:end].to(torch.int64)
+        return TreeMatch(on_device, _match_len(found) - on_device, slots, found.last_device_node)
 
     def _donor_match(self, cache: Any, params: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""

@@ -28,7 +28,7 @@ caller's (:mod:`.request_flow`); this module advances them through their own tra
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,9 @@ from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import CheckSampling
 
 from . import rank_agreement
+from .donor_kv import DonorMatch, DonorMatchParams
 from .request_reuse import RequestReuse
-from .version_view import DonorMatchParams, VersionView
+from .version_view import VersionView
 
 BATCH_ATTR = "_semblend_batch"
 """ScheduleBatch attribute: its :class:`BatchReuse` (None, or absent, for a batch with none)."""
@@ -100,7 +101,8 @@ def _own_batch_reuse(batch: Any) -> BatchReuse:
 @dataclass(frozen=True)
 class LoadParams:
     """One prepared prefill batch to load: its ``cache`` and ``batch``, the open plans of its
-    requests (``states`` by rid), the version's ``view``, the model's RoPE ``spec``, the ranks
+    requests (``states`` by rid), the version's ``view``, where a donor's KV is (``match_donor``:
+    :meth:`.DonorKV.match`), the model's RoPE ``spec``, the ranks
     that run it too (``peers``), whether a check layer selects (``check``), the stream the
     engine's forward runs on (``forward_stream``; None on CPU) and, with ``check``, which plans'
     copied positions are computed up to the check layer on a sample (``sampling``)."""
@@ -109,6 +111,7 @@ class LoadParams:
     batch: Any
     states: Mapping[str, RequestReuse]
     view: VersionView
+    match_donor: Callable[[DonorMatchParams], DonorMatch]
     spec: Any
     peers: list[Any]
     check: bool = False
@@ -148,7 +151,7 @@ def load_batch_spans(params: LoadParams) -> LoadResult:
     each plan's check sample (``sampling``; every one of a plan it does not sample) computed and
     record them as the batch's check candidates (:class:`BatchReuse`), the rest being dropped
     like a sparse extend's. A span
-    whose donor KV is not on the device (``view.match_donor``) is computed instead. Each plan
+    whose donor KV is not on the device (``match_donor``) is computed instead. Each plan
     advances through its own transitions (loaded, skipped; at its last chunk complete or
     decline); the caller drops the plans that ended.
 
@@ -205,7 +208,7 @@ def _match_and_copy(params: LoadParams, loads: list[_RequestLoad]) -> float | No
                 by_donor.setdefault(donor, []).append(span)
             for donor, spans in by_donor.items():
                 donor_end = max(s.donor_end for s in spans)
-                match = view.match_donor(
+                match = params.match_donor(
                     DonorMatchParams(cache, load.state.namespace, donor, donor_end)
                 )
                 found = match.slots

@@ -12,37 +12,44 @@ turns an error into a counted, once-logged fallback.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import RopeSpec
-from semblend_sglang.lookup_params import LookupParams
+from semblend_sglang.lookup_params import DonorAlive, LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 from semblend_sglang.recompute import CheckSampling, RecomputeStrategy, head_lengths
 
-from . import attention, one_pass
-from .donor_kv import DonorKV, PendingKeep
-from .request_info import eligible, namespace_for, opted_out, served_model_path
+from . import attention, one_pass, rank_agreement
+from .donor_kv import DonorKV
+from .request_info import (
+    asks_input_logprobs,
+    eligible,
+    namespace_for,
+    opted_out,
+    served_model_path,
+)
 from .request_reuse import RequestReuse
 from .runtime import SemblendRuntime
 from .version_view import VersionView
 
-logger = logging.getLogger(__name__)
-
 _T = TypeVar("_T")
 
 
-def asks_input_logprobs(req: Any) -> bool:
-    """Whether ``req`` asks for the logprob of any prompt token before its last: SGLang sets
-    ``logprob_start_len`` to the prompt's length (or -1) for output-token logprobs alone."""
-    if not getattr(req, "return_logprob", False):
-        return False
-    start = getattr(req, "logprob_start_len", None)
-    return start is not None and 0 <= int(start) < len(req.origin_input_ids) - 1
+@dataclass(frozen=True)
+class AdmissionCredit:
+    """A receipt of :meth:`RequestFlow.admission_credit`: the ``tokens`` the adder's compute
+    budgets were raised by while it admits ``req`` from position ``lo``, agreed with ``peers``;
+    :meth:`RequestFlow.admission_charge` takes it."""
+
+    req: Any
+    lo: int
+    tokens: int = 0
+    peers: list[Any] = field(default_factory=list)
 
 
 class RequestFlow:
@@ -51,8 +58,9 @@ class RequestFlow:
 
     Called by the adapter's wrappers of sglang methods, in the order of the module docstring.
     Owns the per-request states (:attr:`requests`) and the donors (:attr:`donors`); per-process
-    state is the :attr:`runtime`'s. Never raises to the engine from
-    :meth:`guarded`."""
+    state is the :attr:`runtime`'s. SGLang calls every hooked method on the scheduler's thread,
+    so this state, and all it owns, is read and changed on that thread only: nothing here or
+    below it takes a lock. Never raises to the engine from :meth:`guarded`."""
 
     def __init__(self, config: Config, runtime: SemblendRuntime, view: VersionView) -> None:
         self.config = config
@@ -64,7 +72,7 @@ class RequestFlow:
         self.decided: set[str] = set()
         """Requests decided already (declined, failed, decided at arrival): not planned again
         until released."""
-        self.donors = DonorKV(runtime.provider, config.max_donors)
+        self.donors = DonorKV(runtime.provider, config, view.tree_match)
         runtime.donor_snapshot = self.donors.snapshot
         self.backend_ok: bool | None = None
         """Whether the model runner's attention backend runs a sparse extend (None until the
@@ -136,7 +144,7 @@ class RequestFlow:
                 exact_len,
                 rid,
                 int(cache.page_size),
-                self.view.donor_alive(cache, namespace),
+                self._donor_alive(cache, namespace),
             )
         )
         if decision.kind != "plan" or decision.plan is None:
@@ -169,12 +177,35 @@ class RequestFlow:
         self.requests[rid] = state
         return state
 
+    def _donor_alive(self, cache: Any, namespace: Namespace) -> DonorAlive | None:
+        """The provider's liveness check of candidate donors: a held donor keeps its whole
+        prompt (its head's slots are checked at the copy); any other has the leading tokens the
+        tree still holds, on the device or in host memory (SGLang's load-back brings those
+        back). None where the version reads none: the copy finds evicted donors."""
+        cached_len, donors = self.view.cached_len, self.donors
+        if cached_len is None:
+            return None
+
+        def alive(handle: Any, tokens: Any) -> int:
+            if donors.holds(cache, handle):
+                return len(tokens)
+            return cached_len(cache, tokens, namespace)
+
+        return alive
+
     def _cache_supported(self, cache: Any) -> bool:
-        """The cache can take reused KV (the version's check) and the backend a sparse extend."""
-        return self.view.cache_supported(cache) and self.backend_ok is not False
+        """The adapter serves the cache, its pool can take reused KV, and the attention backend
+        runs a sparse extend (the server's, at start-up; the model runner's, from its first
+        forward)."""
+        return (
+            self.view.serves(cache)
+            and self.pool_supported(cache)
+            and attention.attention_supported()
+            and self.backend_ok is not False
+        )
 
     def pool_supported(self, cache: Any) -> bool:
-        """The KV-pool conditions every adapter needs (for its ``cache_supported``): per-layer
+        """The KV-pool conditions of every version: per-layer
         K/V buffers stored in their own dtype (no fp8) and a RoPE the kernels support for the
         served model. Any page size where the version is ``paged``: spans are copied per token
         into the request's own fresh slots, and the tree publishes and frees whole pages."""
@@ -196,42 +227,50 @@ class RequestFlow:
         self.runtime.provider.decline_request(rid, Reason.OPTED_OUT)
 
     # ----------------------------------------------------------------- 1b. admission
-    def chunk_credit(self, req: Any, budget: int | None) -> int:
-        """Admission of a prefill chunk of ``req`` from its ``prefix_len`` with ``budget`` tokens
-        of compute left (SGLang's ``PrefillAdder.rem_chunk_tokens``): the reused positions the
-        longest chunk that computes at most ``budget`` positions would skip. The adder's
-        compute budgets are raised by this much while it admits ``req`` and then charged what
-        the admitted chunk computes (:meth:`chunk_reused`); its memory budget still takes
-        every position. A check-layer strategy is charged the ``recompute_ratio`` of the copied
-        positions it recomputes after its check layer (the layers up to it run every position).
-        0 without an open plan, without a chunk budget, or when input-token logprobs are asked
-        for (those positions are computed; output-token logprobs alone change nothing)."""
-        state = self.requests.get(req.rid)
-        if state is None or not state.open or budget is None or budget <= 0:
-            return 0
-        if asks_input_logprobs(req):
-            return 0
-        lo = int(req.prefix_len)
-        end = len(req.full_untruncated_fill_ids)
-        share = self._kept_share()
-        hi = state.chunk_end(lo, end, int(budget), share)
-        return (hi - lo) - state.computed_within(lo, hi, share)
+    def admission_credit(self, cache: Any, req: Any, budget: int | None) -> AdmissionCredit:
+        """Before SGLang's ``PrefillAdder`` admits a prefill chunk of ``req`` from its
+        ``prefix_len`` with ``budget`` tokens of compute left (its ``rem_chunk_tokens``): the
+        tokens its compute budgets are raised by while it admits, the reused positions the
+        longest chunk that computes at most ``budget`` positions would skip (where other ranks
+        run ``cache``'s batches, the least any rank gives). A check-layer strategy is charged
+        the ``recompute_ratio`` of the copied positions it recomputes after its check layer (the
+        layers up to it run every position). 0 without an open plan or a chunk budget, or when
+        input-token logprobs are asked for (output-token logprobs alone change nothing). The
+        adapter takes back :meth:`admission_charge`; the memory budget takes every position."""
+        rid = getattr(req, "rid", None)
+        lo = int(getattr(req, "prefix_len", 0) or 0)
+        peers = self.guarded("admission", None, [], self.view.peers, cache)
+        tokens = self.guarded("admission", rid, 0, self._skipped, req, lo, budget)
+        if peers:
+            tokens = rank_agreement.agree_min(peers, tokens)
+        return AdmissionCredit(req, lo, tokens, peers)
 
-    def chunk_reused(self, req: Any, lo: int) -> int:
-        """What :meth:`chunk_credit` credits for the chunk [lo, extend_end) the adder admitted
-        for ``req`` (0 when it has no open plan)."""
-        state = self.requests.get(req.rid)
-        hi = int(getattr(req, "extend_end", lo) or lo)
-        if state is None or not state.open or hi <= lo:
-            return 0
-        return (hi - lo) - state.computed_within(lo, hi, self._kept_share())
+    def admission_charge(self, credit: AdmissionCredit, admitted: bool) -> int:
+        """After the adder ran with ``credit``: the part of it the admitted chunk
+        [lo, extend_end) did not skip, to take back from its budgets (all of it when ``req``
+        was not ``admitted``)."""
+        req = credit.req
+        taken = 0
+        if admitted:
+            hi = int(getattr(req, "extend_end", credit.lo) or credit.lo)
+            taken = self.guarded("admission", req.rid, 0, self._skipped, req, credit.lo, None, hi)
+        if credit.peers:
+            taken = rank_agreement.agree_min(credit.peers, taken)
+        return credit.tokens - taken
 
-    def _kept_share(self) -> float:
-        """The share of copied positions whose donor KV the layers after the check layer keep
-        (1 for ``heads``: its recomputed heads are never copied)."""
-        if self.runtime.check_layer_active:
-            return 1.0 - float(self.config.recompute_ratio)
-        return 1.0
+    def _skipped(self, req: Any, lo: int, budget: int | None, hi: int | None = None) -> int:
+        """Reused positions of ``req``'s open plan in the chunk [lo, hi) (without ``hi``: the
+        longest one that computes at most ``budget`` positions) that no layer after the check
+        layer computes."""
+        state = self.requests.get(req.rid)
+        if state is None or not state.open or asks_input_logprobs(req):
+            return 0
+        kept = 1.0 - float(self.config.recompute_ratio) if self.runtime.check_layer_active else 1.0
+        if hi is None:
+            if budget is None or budget <= 0:
+                return 0
+            hi = state.chunk_end(lo, len(req.full_untruncated_fill_ids), int(budget), kept)
+        return 0 if hi <= lo else (hi - lo) - state.computed_within(lo, hi, kept)
 
     # ----------------------------------------------------------------- 2. pin donors and copy
     def prepare_extend(self, batch: Any) -> None:
@@ -263,6 +302,7 @@ class RequestFlow:
             batch,
             {rid: s for rid, s in states.items() if rid in self.requests},
             self.view,
+            self.donors.match,
             spec,
             peers,
             runtime.check_layer_active,
@@ -327,17 +367,8 @@ class RequestFlow:
                 forward_batch.positions = one_pass.forward_positions(batch, forward_batch.positions)
 
     def _check_backend(self, model_runner: Any) -> None:
-        """Set :attr:`backend_ok` from the model runner's attention backend (logged once when it
-        cannot run a sparse extend: every plan is declined from then on)."""
-        backend = getattr(model_runner, "attn_backend", None)
-        self.backend_ok = backend is None or attention.sparse_extend_supported(backend)
-        if not self.backend_ok:
-            logger.warning(
-                "semblend: attention backend %s cannot run a sparse extend; every plan is "
-                "declined as %s",
-                type(backend).__name__,
-                Reason.UNSUPPORTED_CACHE,
-            )
+        """Set :attr:`backend_ok` from the model runner's attention backend."""
+        self.backend_ok = attention.runner_supported(model_runner)
 
     # ----------------------------------------------------------------- 5. publish cap
     def publish_limit(self, rid: str | None, up_to: int) -> int:
@@ -352,44 +383,24 @@ class RequestFlow:
         return state.publish_cap if state is not None and state.reused_any else None
 
     def published(self, req: Any, published_len: int, page_size: int = 1) -> None:
-        """The tree was asked to hold ``req``'s sequence up to ``published_len`` (it holds the
-        whole ``page_size`` pages of it): it donates its prompt (its exact head, capped, once it
-        reused KV); a finished request that reused KV is marked to keep the rest of its prompt as
-        a held donor when its row is released."""
+        """The tree was asked to hold ``req``'s sequence up to ``published_len`` (whole
+        ``page_size`` pages of it): it donates its prompt (:meth:`register_donor`); a finished
+        request that reused KV is marked to keep the rest of its prompt as a held donor when its
+        row is released (:meth:`.DonorKV.mark_finished`)."""
         cap = self.publish_cap(req.rid)
         self.register_donor(req, published_len, cap, page_size)
         state = self.requests.get(req.rid)
-        if (
-            cap is not None
-            and state is not None
-            and self.config.keep_reused_donors
-            and req.finished()
-            and len(req.origin_input_ids) >= self.config.min_prompt_tokens
-            and eligible(req)
-        ):
-            self.donors.mark(
-                PendingKeep(req.kv, req.rid, state.namespace, list(req.origin_input_ids))
-            )
+        if cap is not None and state is not None and req.finished():
+            self.donors.mark_finished(req, state.namespace)
 
     def register_donor(
         self, req: Any, published_len: int, cap: int | None = None, page_size: int = 1
     ) -> None:
-        """Index ``req``'s prompt as a donor (once) when the tree now holds all of it that it
-        ever will: every whole ``page_size`` page of it (at page size 1, all of it; with pages
-        the page the prompt ends in is held only once output tokens fill it, else it stays with
-        the request and is freed with it). For a request that reused KV (``cap``: its publish
-        cap) only its exact head ``prompt[:cap]``: everything after it is approximate and was
-        never published."""
-        prompt = req.origin_input_ids
-        end = len(prompt) if cap is None else min(int(cap), len(prompt))
-        if not self.runtime.active:
-            return
-        held = int(published_len) // page_size * page_size
-        if held < end // page_size * page_size:
-            return  # more of it is still to be published
-        end = min(end, held)
-        if end >= self.config.min_prompt_tokens and eligible(req):
-            self.donors.register(namespace_for(req), req.rid, list(prompt[:end]))
+        """``req``'s prompt is published up to ``published_len``: index it as a donor once the
+        tree holds all of it that it ever will (:meth:`.DonorKV.register_published`; ``cap``:
+        the publish cap of a request that reused KV)."""
+        if self.runtime.active:
+            self.donors.register_published(req, published_len, cap, page_size)
 
     # ----------------------------------------------------------------- 6. end
     def decline(self, rid: str, reason: str) -> None:

@@ -94,6 +94,15 @@ def reuse_value_error(custom_params: Any) -> str | None:
     )
 
 
+def asks_input_logprobs(req: Any) -> bool:
+    """Whether ``req`` asks for the logprob of any prompt token before its last: SGLang sets
+    ``logprob_start_len`` to the prompt's length (or -1) for output-token logprobs alone."""
+    if not getattr(req, "return_logprob", False):
+        return False
+    start = getattr(req, "logprob_start_len", None)
+    return start is not None and 0 <= int(start) < len(req.origin_input_ids) - 1
+
+
 def opted_out(req: Any) -> bool:
     """True when ``req`` asked for no semantic reuse (:data:`REUSE_PARAM` is ``false`` or
     ``"off"``). Any other value than those and ``true``/``"on"`` (which the request guard

@@ -23,17 +23,15 @@ from packaging.specifiers import SpecifierSet
 
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.plan import Reason
 
 from . import rank_agreement
 from .adapter import HookTable, SglangAdapter
-from .attention import attention_supported
 from .prefill_graph import prefill_graph_wrappers
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
 from .substitute import substitute_request
-from .version_view import DonorMatch, DonorMatchParams, DonorSlots, VersionView
+from .version_view import TreeMatch, TreeMatchParams, VersionView
 from .wrapping import Wrappers
 
 logger = logging.getLogger(__name__)
@@ -42,7 +40,7 @@ logger = logging.getLogger(__name__)
 class UnifiedRadixCacheAdapter(SglangAdapter):
     """Hooks for sglang 0.5.22+ (``UnifiedRadixCache``; Rust or Python tree core): a table of
     wrappers that call :class:`~.request_flow.RequestFlow`, and this version's
-    :class:`~.version_view.VersionView` (donor match through the tree and the held donors)."""
+    :class:`~.version_view.VersionView` (the tree's ``tree_core`` read for a match's slots)."""
 
     name = "unified-radix-cache"
     # Not 0.5.21: its UnifiedRadixCache has no ``checkpoint()`` (a finished request is inserted by
@@ -57,9 +55,8 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             extend_end=lambda req: int(req.extend_end),
             lock=lambda cache, node: cache.lock(node),
             unlock=lambda cache, receipt: cache.unlock(receipt),
-            match_donor=self._match_donor,
-            cache_supported=self._cache_supported,
-            donor_alive=self._donor_alive,
+            tree_match=self._tree_match,
+            cached_len=lambda cache, tokens, ns: _cached_len(cache, _token_array(tokens), ns),
             peers=rank_agreement.attention_peers,
         )
         super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
@@ -155,28 +152,18 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
         def make_admit(orig: Any) -> Any:
             def admit(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-                rid = getattr(req, "rid", None)
-                lo = int(getattr(req, "prefix_len", 0) or 0)
-                peers = flow.guarded("admission", None, [], flow.view.peers, self.tree_cache)
-                credit = flow.guarded(
-                    "admission", rid, 0, flow.chunk_credit, req, self.rem_chunk_tokens
-                )
-                if peers:  # every rank admits alike: the credit all ranks can give
-                    credit = rank_agreement.agree_min(peers, credit)
-                if credit:
-                    self.rem_chunk_tokens += credit
-                    self.rem_input_tokens += credit
+                credit = flow.admission_credit(self.tree_cache, req, self.rem_chunk_tokens)
+                if credit.tokens:
+                    self.rem_chunk_tokens += credit.tokens
+                    self.rem_input_tokens += credit.tokens
                 try:
                     return orig(self, req, *args, **kwargs)
                 finally:
-                    if credit:
-                        taken = 0
-                        if any(r is req for r in self.can_run_list):
-                            taken = flow.guarded("admission", rid, 0, flow.chunk_reused, req, lo)
-                        if peers:
-                            taken = rank_agreement.agree_min(peers, taken)
-                        self.rem_chunk_tokens -= credit - taken
-                        self.rem_input_tokens -= credit - taken
+                    if credit.tokens:
+                        admitted = any(r is req for r in self.can_run_list)
+                        unused = flow.admission_charge(credit, admitted)
+                        self.rem_chunk_tokens -= unused
+                        self.rem_input_tokens -= unused
 
             return admit
 
@@ -223,76 +210,33 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         return HookTable(wrappers, triton_attention=True)
 
     # ----------------------------------------------------------------- the view
-    def _cache_supported(self, cache: Any) -> bool:
-        return self.flow.pool_supported(cache) and attention_supported()
-
-    def _match_donor(self, params: DonorMatchParams) -> DonorMatch:
-        """Where donor ``handle``'s KV for its positions [0, donor_end) is (:class:`DonorSlots`):
-        its tokens matched in the tree, and for a held donor its held slots after the tree part.
-        ``donor_on_host`` when HiCache holds the rest in host memory (the donor is kept: it is
-        used again once SGLang's own load-back, an exact hit on it, brings it to the device);
-        ``donor_evicted`` when none of it is left, and the donor is forgotten."""
+    def _tree_match(self, params: TreeMatchParams) -> TreeMatch:
+        """The tree's match of ``tokens[:end]``: the tree matches whole pages, so the pages that
+        cover [0, end) are asked; the device slots are read off the last device node's path."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        cache, handle, donor_end, ns = (
-            params.cache,
-            params.handle,
-            params.donor_end,
-            params.namespace,
+        cache, ns, tokens, end = params.cache, params.namespace, params.tokens, params.end
+        page = int(cache.page_size)
+        key_end = min(len(tokens), -(-end // page) * page)
+        key = RadixKey(
+            _token_array(tokens[:key_end]), extra_key=ns.extra_key, cache_salt=ns.cache_salt
         )
-        donors = self.flow.donors
-        start = donors.match_start(cache, handle, donor_end)
-        if start is None:
-            return DonorMatch.missing(Reason.DONOR_EVICTED)
-        donor, held = start
-        tree_end = donor_end if held is None else min(donor_end, held.held_from)
-        path = torch.empty(0, dtype=torch.int64)
-        node = None
-        if tree_end > 0:
-            # the tree matches whole pages: ask for the pages that cover [0, tree_end)
-            page = int(cache.page_size)
-            key_end = min(len(donor), -(-tree_end // page) * page)
-            key = RadixKey(
-                array("q", donor[:key_end].tolist()),
-                extra_key=ns.extra_key,
-                cache_salt=ns.cache_salt,
-            )
-            found = self._donor_match(cache, MatchPrefixParams(key=key), _original_match(cache))
-            on_device = min(int(found.device_prefix_len), tree_end)
-            if held is None and on_device < donor_end:
-                if on_device + _host_len(found) >= donor_end:
-                    return DonorMatch.missing(Reason.DONOR_ON_HOST)
-                donors.forget(handle, cache)
-                return DonorMatch.missing(Reason.DONOR_EVICTED)
-            if on_device > 0:
-                node = found.last_device_node
-                # on the host like the rest of the path (the tree keeps them on the KV device)
-                path = cache.tree_core.collect_full_device_indices(
-                    node, cache.root_node_handle(ns.extra_key)
-                )[:on_device].to(device="cpu", dtype=torch.int64)
-            if on_device < tree_end:  # a held donor whose head left the tree in part
-                path = torch.cat([path, torch.full((tree_end - on_device,), -1, dtype=torch.int64)])
-        if held is not None and donor_end > held.held_from:
-            path = torch.cat([path, donors.held_slots(held, donor_end)])
-        return DonorMatch(DonorSlots(path, node))
+        found = self._donor_match(cache, MatchPrefixParams(key=key), _original_match(cache))
+        on_device = min(int(found.device_prefix_len), end)
+        if on_device <= 0:
+            return TreeMatch(0, _host_len(found))
+        node = found.last_device_node
+        # on the host like the rest of a donor's path (the tree keeps them on the KV device)
+        slots = cache.tree_core.collect_full_device_indices(
+            node, cache.root_node_handle(ns.extra_key)
+        )[:on_device].to(device="cpu", dtype=torch.int64)
+        return TreeMatch(on_device, _host_len(found), slots, node)
 
     @staticmethod
     def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
         return orig_match(cache, params)
-
-    def _donor_alive(self, cache: Any, namespace: Namespace) -> Any:
-        """A held donor keeps its whole prompt (its head's slots are checked at the copy); any
-        other donor has the leading tokens the tree still holds, on the device or in host
-        memory (SGLang's load-back brings those back)."""
-
-        def alive(handle: Any, tokens: Any) -> int:
-            if self.flow.donors.holds(cache, handle):
-                return len(tokens)
-            return _cached_len(cache, array("q", tokens.tolist()), namespace)
-
-        return alive
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:
@@ -311,6 +255,13 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 def _host_len(result: Any) -> int:
     """Tokens of a match result held in host memory (HiCache), 0 without a host tier."""
     return int(getattr(result, "host_hit_length", 0) or 0)
+
+
+def _token_array(tokens: Any) -> array:
+    """``tokens`` (a list, an array or a numpy array of token ids) as a radix key's ``array``."""
+    if isinstance(tokens, array):
+        return tokens
+    return array("q", tokens.tolist() if hasattr(tokens, "tolist") else tokens)
 
 
 def _cached_len(cache: Any, tokens: Any, namespace: Namespace) -> int:
