@@ -19,9 +19,7 @@ true together with another mode in the same source is a ConfigError; false toget
 from __future__ import annotations
 
 import enum
-import logging
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -30,6 +28,7 @@ from .config_fields import (
     ENV_PREFIX,
     ConfigError,
     FieldSpec,
+    SourceFields,
     is_choice_enum,
     markdown_table,
     parse_value,
@@ -54,25 +53,12 @@ __all__ = [
     "settings_table",
 ]
 
-logger = logging.getLogger(__name__)
-
 MODES = tuple(ReuseMode)
 SPARSE_PATHS = ("auto", "split_view", "position_mask")
 EMBEDDERS = ("minilm", "jaccard", "none")
 
 OTHER_SEMBLEND_ENV = frozenset({"SEMBLEND_MODEL_CACHE"})
 """SEMBLEND_* variables owned by other parts of the project (not Config fields, not unknown)."""
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(message: str) -> None:
-    with _warned_lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    logger.warning(message)
 
 
 def _resolve_layer(layer: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
@@ -331,58 +317,6 @@ class Config:
         """True in discovery_only mode: lookups and telemetry only, nothing is materialized."""
         return self.mode == "discovery_only"
 
-    @staticmethod
-    def _env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
-        layer: dict[str, Any] = {}
-        unknown: list[str] = []
-        for key in sorted(environ):
-            if not key.startswith(ENV_PREFIX) or key in OTHER_SEMBLEND_ENV:
-                continue
-            spec = FIELDS_BY_ENV.get(key)
-            if spec is None:
-                unknown.append(key)
-                _warn_once(f"unknown environment variable {key} ignored (not a SemBlend setting)")
-                continue
-            layer[spec.name] = parse_value(spec, environ[key], key)
-        keys = {f.name: f.env for f in FIELDS}
-        return _resolve_layer(layer, keys), unknown
-
-    @staticmethod
-    def _json_layer(obj: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        if not isinstance(obj, Mapping):
-            raise ConfigError("kv_connector_extra_config", obj, "a JSON object")
-        layer: dict[str, Any] = {}
-        names: dict[str, str] = {}
-        unknown: list[str] = []
-        for key in sorted(obj):
-            spec = _JSON_KEYS.get(key)
-            if spec is None:
-                unknown.append(key)
-                _warn_once(f"unknown SemBlend JSON key {key!r} ignored")
-                continue
-            if spec.name in layer:
-                raise ConfigError(key, obj[key], f"only one of {names[spec.name]!r} and {key!r}")
-            layer[spec.name] = parse_value(spec, obj[key], key)
-            names[spec.name] = key
-        keys = {f.name: names.get(f.name, f.name) for f in FIELDS}
-        return _resolve_layer(layer, keys), unknown
-
-    @staticmethod
-    def _cli_layer(cli: Mapping[str, Any]) -> dict[str, Any]:
-        layer: dict[str, Any] = {}
-        for key in sorted(cli):
-            value = cli[key]
-            if value is None:  # click passes None for flags that were not given
-                continue
-            spec = FIELDS_BY_FLAG.get(key) or FIELDS_BY_NAME.get(key.replace("-", "_"))
-            if spec is None and key.startswith("semblend_"):
-                spec = FIELDS_BY_NAME.get(key[len("semblend_") :])
-            if spec is None:
-                raise ConfigError(key, value, "a --semblend-* flag listed in config.FIELDS")
-            layer[spec.name] = parse_value(spec, value, spec.flag)
-        keys = {f.name: f.flag for f in FIELDS}
-        return _resolve_layer(layer, keys)
-
     @classmethod
     def from_sources(
         cls,
@@ -398,18 +332,7 @@ class Config:
         flag values keyed by flag (``--semblend-min-similarity``), field name, or click parameter
         name (``semblend_min_similarity``); None values mean "not given". Raises ConfigError.
         """
-        merged: dict[str, Any] = {}
-        unknown: list[str] = []
-        if env is not None:
-            layer, unk = cls._env_layer(env)
-            merged.update(layer)
-            unknown += unk
-        if json_obj is not None:
-            layer, unk = cls._json_layer(json_obj)
-            merged.update(layer)
-            unknown += unk
-        if cli is not None:
-            merged.update(cls._cli_layer(cli))
+        merged, unknown = SOURCES.merge(env, json_obj, cli)
         return replace(cls(), **merged, unknown_keys=tuple(unknown))
 
     @classmethod
@@ -452,13 +375,11 @@ def _with_shorthand(specs: list[FieldSpec]) -> tuple[FieldSpec, ...]:
 FIELDS: tuple[FieldSpec, ...] = _with_shorthand(list(specs_of(Config)))
 """Every setting a source may set: the Config fields in declaration order, with
 ``discovery_only`` after ``mode``."""
-FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
-FIELDS_BY_ENV: dict[str, FieldSpec] = {f.env: f for f in FIELDS}
-FIELDS_BY_FLAG: dict[str, FieldSpec] = {f.flag: f for f in FIELDS}
-_JSON_KEYS: dict[str, FieldSpec] = {
-    **{f.name: f for f in FIELDS},
-    **{alias: f for f in FIELDS for alias in f.json_aliases},
-}
+SOURCES = SourceFields(FIELDS, _resolve_layer, OTHER_SEMBLEND_ENV)
+"""How each source names the settings (``Config.from_sources``)."""
+FIELDS_BY_NAME: dict[str, FieldSpec] = SOURCES.by_name
+FIELDS_BY_ENV: dict[str, FieldSpec] = SOURCES.by_env
+FIELDS_BY_FLAG: dict[str, FieldSpec] = SOURCES.by_flag
 
 
 def cli_options() -> list[dict[str, Any]]:

@@ -5,15 +5,18 @@ A setting is declared once, as a field of the ``Config`` dataclass whose default
 :func:`specs_of` derives one :class:`FieldSpec` per such field, in declaration order; the
 environment variable (``SEMBLEND_<NAME>``) and the flag (``--semblend-<name>``) follow from the
 name. :func:`parse_value` turns a value from any source into the field's type or raises
-:class:`ConfigError`; :func:`markdown_table` renders the specs as the settings table of
+:class:`ConfigError`; :class:`SourceFields` reads the settings each source (environment, JSON
+object, CLI flags) sets; :func:`markdown_table` renders the specs as the settings table of
 docs/provider.md. Nothing here knows a particular setting.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import math
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
@@ -21,6 +24,10 @@ ENV_PREFIX = "SEMBLEND_"
 FLAG_PREFIX = "--semblend-"
 _METADATA_KEY = "semblend_setting"
 _MIB = 1024 * 1024
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
 
 
 class ConfigError(ValueError):
@@ -256,3 +263,104 @@ def markdown_table(specs: Iterable[FieldSpec]) -> str:
             f"| {_short_allowed(spec)} | {spec.help} |"
         )
     return "\n".join(rows) + "\n"
+
+
+Resolve = Callable[[dict[str, Any], dict[str, str]], dict[str, Any]]
+"""Folds a source's shorthands into settings: ``resolve(layer, keys)`` gets the values one
+source sets by setting name and that source's key of each name (for errors); raises
+:class:`ConfigError` on a conflict."""
+
+
+@dataclass(frozen=True)
+class SourceFields:
+    """Every setting a source may set (``specs``, in order), looked up by each source's key,
+    with ``resolve`` for the shorthands among them and ``other_env``, the SEMBLEND_* variables
+    of other parts of the project (neither settings nor unknown). Used by ``Config.from_sources``;
+    reads its sources, never changes them."""
+
+    specs: tuple[FieldSpec, ...]
+    resolve: Resolve
+    other_env: frozenset[str] = frozenset()
+    by_name: dict[str, FieldSpec] = field(init=False)
+    by_env: dict[str, FieldSpec] = field(init=False)
+    by_flag: dict[str, FieldSpec] = field(init=False)
+    by_json: dict[str, FieldSpec] = field(init=False)
+
+    def __post_init__(self) -> None:
+        json_keys = {s.name: s for s in self.specs}
+        json_keys.update({alias: s for s in self.specs for alias in s.json_aliases})
+        object.__setattr__(self, "by_name", {s.name: s for s in self.specs})
+        object.__setattr__(self, "by_env", {s.env: s for s in self.specs})
+        object.__setattr__(self, "by_flag", {s.flag: s for s in self.specs})
+        object.__setattr__(self, "by_json", json_keys)
+
+    def merge(
+        self,
+        env: Mapping[str, str] | None,
+        json_obj: Mapping[str, Any] | None,
+        cli: Mapping[str, Any] | None,
+    ) -> tuple[dict[str, Any], list[str]]:
+        """The parsed values ``env`` < ``json_obj`` < ``cli`` set, by setting name (a later
+        source wins), and the unknown env variables and JSON keys (each logged once). A source
+        that is None is not read. Raises ConfigError naming the key of a bad value."""
+        merged: dict[str, Any] = {}
+        unknown: list[str] = []
+        if env is not None:
+            merged.update(self._env_layer(env, unknown))
+        if json_obj is not None:
+            merged.update(self._json_layer(json_obj, unknown))
+        if cli is not None:
+            merged.update(self._cli_layer(cli))
+        return merged, unknown
+
+    def _env_layer(self, environ: Mapping[str, str], unknown: list[str]) -> dict[str, Any]:
+        layer: dict[str, Any] = {}
+        for key in sorted(environ):
+            if not key.startswith(ENV_PREFIX) or key in self.other_env:
+                continue
+            spec = self.by_env.get(key)
+            if spec is None:
+                unknown.append(key)
+                _warn_once(f"unknown environment variable {key} ignored (not a SemBlend setting)")
+                continue
+            layer[spec.name] = parse_value(spec, environ[key], key)
+        return self.resolve(layer, {s.name: s.env for s in self.specs})
+
+    def _json_layer(self, obj: Mapping[str, Any], unknown: list[str]) -> dict[str, Any]:
+        if not isinstance(obj, Mapping):
+            raise ConfigError("kv_connector_extra_config", obj, "a JSON object")
+        layer: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        for key in sorted(obj):
+            spec = self.by_json.get(key)
+            if spec is None:
+                unknown.append(key)
+                _warn_once(f"unknown SemBlend JSON key {key!r} ignored")
+                continue
+            if spec.name in layer:
+                raise ConfigError(key, obj[key], f"only one of {names[spec.name]!r} and {key!r}")
+            layer[spec.name] = parse_value(spec, obj[key], key)
+            names[spec.name] = key
+        return self.resolve(layer, {s.name: names.get(s.name, s.name) for s in self.specs})
+
+    def _cli_layer(self, cli: Mapping[str, Any]) -> dict[str, Any]:
+        layer: dict[str, Any] = {}
+        for key in sorted(cli):
+            value = cli[key]
+            if value is None:  # click passes None for flags that were not given
+                continue
+            spec = self.by_flag.get(key) or self.by_name.get(key.replace("-", "_"))
+            if spec is None and key.startswith("semblend_"):
+                spec = self.by_name.get(key[len("semblend_") :])
+            if spec is None:
+                raise ConfigError(key, value, "a --semblend-* flag listed in config.FIELDS")
+            layer[spec.name] = parse_value(spec, value, spec.flag)
+        return self.resolve(layer, {s.name: s.flag for s in self.specs})
+
+
+def _warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    logger.warning(message)

@@ -43,8 +43,9 @@ from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import RecomputeStrategy
 
 from .batch_shrink import attention_backend, shrink_batch, shrink_hidden
-from .one_pass import batch_reuse, wants_dense_reference
+from .one_pass import batch_reuse
 from .request_flow import RequestFlow
+from .request_info import wants_dense_reference
 
 logger = logging.getLogger(__name__)
 

@@ -40,16 +40,12 @@ from semblend_sglang.recompute import CheckSampling
 
 from . import rank_agreement
 from .donor_kv import DonorMatch, DonorMatchParams
+from .request_info import sparse_extend_refusal, wants_dense_reference
 from .request_reuse import RequestReuse
 from .version_view import VersionView
 
 BATCH_ATTR = "_semblend_batch"
 """ScheduleBatch attribute: its :class:`BatchReuse` (None, or absent, for a batch with none)."""
-
-
-DENSE_REFERENCE_PARAM = "semblend_dense_reference"
-"""``custom_params`` key that makes a request run as the dense reference of its selection
-(:mod:`.check_layer`): it keeps every copied position in every layer."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +62,6 @@ class CheckCandidates:
     final: bool
     reused: int
     pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-
-
-def wants_dense_reference(req: Any) -> bool:
-    """``req`` asked to run as the dense reference (:data:`DENSE_REFERENCE_PARAM`)."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(params, dict) and bool(params.get(DENSE_REFERENCE_PARAM))
 
 
 @dataclass
@@ -281,7 +271,7 @@ def _collect(params: LoadParams) -> list[_RequestLoad]:
         if state is None or not state.open:
             continue
         lo, hi = int(batch.prefix_lens[i]), params.view.extend_end(req)
-        reason = _unsupported_request(req)
+        reason = sparse_extend_refusal(req)
         if reason is not None:
             state.decline(reason)
             continue
@@ -293,17 +283,6 @@ def _collect(params: LoadParams) -> list[_RequestLoad]:
         pieces = state.pieces_within(lo, limit)
         loads.append(_RequestLoad(i, req, state, lo, hi, pieces))
     return loads
-
-
-def _unsupported_request(req: Any) -> str | None:
-    """Why ``req`` cannot take a sparse extend, or None."""
-    if (
-        req.input_embeds is not None
-        or req.multimodal_inputs is not None
-        or req.positional_embed_overrides is not None
-    ):
-        return Reason.UNSUPPORTED_CACHE
-    return None
 
 
 def _copy(

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from semblend_sglang.namespace import Namespace
+from semblend_sglang.plan import Reason
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +18,10 @@ REUSE_PARAM = "semblend_reuse"
 """The ``custom_params`` key (``sampling_params.custom_params`` of ``/generate``; ``extra_body=
 {"custom_params": ...}`` of the OpenAI-compatible API) by which a request opts out of semantic
 reuse: ``false`` or ``"off"``. ``true``, ``"on"`` or no key: the server's setting."""
+
+DENSE_REFERENCE_PARAM = "semblend_dense_reference"
+"""``custom_params`` key that makes a request run as the dense reference of its selection
+(:mod:`.check_layer`): it keeps every copied position in every layer."""
 
 _REUSE_ON = (True, "on")
 _REUSE_OFF = (False, "off")
@@ -92,6 +97,24 @@ def reuse_value_error(custom_params: Any) -> str | None:
     return (
         f'custom_params {REUSE_PARAM} must be true, false, "on" or "off"; got {repr(value)[:80]}.'
     )
+
+
+def wants_dense_reference(req: Any) -> bool:
+    """``req`` asked to run as the dense reference (:data:`DENSE_REFERENCE_PARAM`)."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and bool(params.get(DENSE_REFERENCE_PARAM))
+
+
+def sparse_extend_refusal(req: Any) -> str | None:
+    """Why ``req`` cannot take a sparse extend (input embeddings, multimodal inputs, positional
+    embedding overrides: ``unsupported_cache``), or None."""
+    if (
+        req.input_embeds is not None
+        or req.multimodal_inputs is not None
+        or req.positional_embed_overrides is not None
+    ):
+        return Reason.UNSUPPORTED_CACHE
+    return None
 
 
 def asks_input_logprobs(req: Any) -> bool:
