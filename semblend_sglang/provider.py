@@ -311,19 +311,8 @@ class SemanticProvider:
                 return Decision.decline(Reason.LOOKUP_BUDGET)
             return Decision.decline(Reason.DONOR_EVICTED if evicted else Reason.NO_ALIGNMENT)
         spans, donors = cover(found, min_length=config.min_span_tokens)
-        if exact_len:
-            spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in spans)
         first = cands[found[0][0]]
-        decision = build_plan(
-            config,
-            spans=spans,
-            n_tokens=int(tokens.size),
-            exact_len=exact_len,
-            page_size=page_size,
-            donor_handle=first.handle,
-            donor_namespace=first.namespace,
-            span_donors=donors,
-        )
+        decision = self._gate(tokens, exact_len, page_size, first, spans, span_donors=donors)
         if decision.kind != "plan" or decision.plan is None:
             return decision
         if config.discovery_only:
@@ -394,11 +383,6 @@ class SemanticProvider:
         found: tuple[Span, ...],
     ) -> Decision:
         config = self.config
-        spans = (
-            tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
-            if exact_len
-            else found
-        )
         similarity: float | None = None
         if config.mode == "substitute":
             if config.embedder == "jaccard":
@@ -413,15 +397,30 @@ class SemanticProvider:
             similarity = self._similarity(tokens, cand.handle, donor)
             if similarity is not None:
                 self.telemetry.observe_similarity(similarity)
+        return self._gate(tokens, exact_len, page_size, cand, found, similarity=similarity)
+
+    def _gate(
+        self,
+        tokens: np.ndarray,
+        exact_len: int,
+        page_size: int,
+        lead: Candidate,
+        found: tuple[Span, ...],
+        **extra: Any,
+    ) -> Decision:
+        """:func:`.plan.build_plan` for the spans ``found`` in the region after the exact hit
+        (shifted by ``exact_len`` into target positions), ``lead`` naming the plan's donor;
+        ``extra``: ``similarity`` or ``span_donors``."""
+        spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
         return build_plan(
-            config,
+            self.config,
             spans=spans,
             n_tokens=int(tokens.size),
             exact_len=exact_len,
             page_size=page_size,
-            donor_handle=cand.handle,
-            donor_namespace=cand.namespace,
-            similarity=similarity,
+            donor_handle=lead.handle,
+            donor_namespace=lead.namespace,
+            **extra,
         )
 
     def _drop_donor(self, handle: Hashable) -> None:

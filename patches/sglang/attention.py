@@ -6,7 +6,7 @@ Every backend but torch_native is given a batch holding a sparse request as its 
 (:mod:`.split_view`, which defines both) through its own ``init_forward_metadata`` and
 ``forward_extend`` (:func:`.split_hooks.split_view_wrappers`); each backend's module says what it
 does differently. Batches without a sparse request are untouched, and a batch holding one never
-replays the prefill CUDA graph (:mod:`.prefill_graph`).
+replays the prefill CUDA graph (:func:`.split_hooks.prefill_graph_wrappers`).
 
 SGLang's own path is kept for what this cannot match (cross or encoder-only attention, sliding
 window, encoder lens, no 1-D ``positions``, speculative modes); a sparse batch that reaches such a

@@ -1,13 +1,13 @@
 """What every attention backend's sparse-extend hooks share: the error a sparse batch raises on a
 path that cannot carry it, the split view of a batch, the causal-layer check, the CUDA-graph
-rule, room in a backend's per-sequence scratch buffers for a view with more sequences than SGLang
-sized them for, and the one factory of the split-view wrappers (:func:`split_view_wrappers`),
-given what a backend does differently (:class:`SplitDifference`), and :class:`HookedBackend`,
-one backend as data.
+rule (and the wrappers that keep a sparse batch out of sglang 0.5.23's prefill CUDA graph,
+:func:`prefill_graph_wrappers`), room in a backend's per-sequence scratch buffers for a view with
+more sequences than SGLang sized them for, the one factory of the split-view wrappers
+(:func:`split_view_wrappers`), given what a backend does differently (:class:`SplitDifference`),
+and :class:`HookedBackend`, one backend as data.
 
-Callers: the per-backend modules ``attention_<name>``, :mod:`.attention` (the registry) and
-:mod:`.prefill_graph`. Nothing here changes SGLang or the batch
-it is given.
+Callers: the per-backend modules ``attention_<name>``, :mod:`.attention` (the registry) and the
+0.5.23 adapter's hook table. Nothing here changes SGLang or the batch it is given.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import one_pass
 from .split_view import batch_lens, is_sparse_batch, notes_of, split_view_of
 from .wrapping import Wrappers
 
@@ -154,8 +155,35 @@ def graph_can_carry(forward_batch: Any) -> bool:
     """The CUDA-graph rule: a batch holding a sparse request never runs CUDA-graph attention
     metadata (it is built for the real batch and cannot carry the split view). Read by every
     split-view backend's ``init_forward_metadata_out_graph`` wrapper and by
-    :mod:`.prefill_graph`."""
+    :func:`prefill_graph_wrappers`."""
     return not is_sparse_batch(forward_batch)
+
+
+def prefill_graph_wrappers(runner: type, dp_attn: Any) -> Wrappers:
+    """Wrappers of ``runner.can_run_graph`` (``PrefillCudaGraphRunner``, which replays prefill
+    batches on CUDA by default, its metadata from ``init_forward_metadata_out_graph``) and of
+    the module function ``dp_attn._local_prefill_cuda_graph_vote`` (min-reduced across ranks
+    under DP attention), built from the current originals: a batch holding a sparse request
+    says no to the graph (the model runner runs it eagerly, through the hooked
+    ``init_forward_metadata``) and so does this rank's vote for it, so every rank runs that step
+    eagerly together. Ordinary batches keep SGLang's answer; never raises on its own."""
+    can_run_graph = runner.can_run_graph
+    vote: Callable[..., bool] = dp_attn._local_prefill_cuda_graph_vote
+
+    def can_run_graph_hook(self: Any, forward_batch: Any) -> bool:
+        return graph_can_carry(forward_batch) and can_run_graph(self, forward_batch)
+
+    def vote_hook(*args: Any, **kwargs: Any) -> bool:
+        batch = kwargs.get("local_batch")
+        reuse = one_pass.batch_reuse(batch) if batch is not None else None
+        if reuse is not None and reuse.sparse:
+            return False
+        return vote(*args, **kwargs)
+
+    return {
+        (runner, "can_run_graph"): can_run_graph_hook,
+        (dp_attn, "_local_prefill_cuda_graph_vote"): vote_hook,
+    }
 
 
 BUILT_ATTR = "_semblend_built_for"

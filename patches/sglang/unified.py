@@ -26,10 +26,10 @@ from semblend_sglang.namespace import Namespace
 
 from . import rank_agreement
 from .adapter import HookTable, SglangAdapter
-from .prefill_graph import prefill_graph_wrappers
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
+from .split_hooks import prefill_graph_wrappers
 from .substitute import substitute_request
 from .version_view import TreeMatch, TreeMatchParams, VersionView
 from .wrapping import Wrappers
