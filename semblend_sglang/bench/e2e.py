@@ -27,6 +27,7 @@ from .client import ServerClient
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, Runner, requests_per_group
 from .e2e_summary import summarize
 from .machine_load import FOREIGN_LOAD_LIMIT, LoadMeter, tree_peak_rss_bytes
+from .metrics import mean_or_none
 from .plot import plot
 from .report import console_table, settings_lines, write_json
 from .report import environment as report_environment
@@ -105,7 +106,7 @@ def run_noise(records: Sequence[ProbeRecord], rows: Sequence[dict]) -> dict[str,
     loads = [r.foreign_cores for r in records if r.foreign_cores is not None]
     avgs = [r.loadavg for r in records if r.loadavg is not None]
     return {
-        "foreign_cores_mean": sum(loads) / len(loads) if loads else None,
+        "foreign_cores_mean": mean_or_none(loads),
         "foreign_cores_max": max(loads) if loads else None,
         "loadavg_max": max(avgs) if avgs else None,
         "foreign_load_limit": FOREIGN_LOAD_LIMIT,

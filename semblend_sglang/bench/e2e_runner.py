@@ -302,13 +302,18 @@ class Runner:
                 hook_ms=hook_ms_delta(before, after),
             )
             self.progress(1)
-            if repeat == 0 and probe.reference_ids and not self.answers_only:
+            if probe.reference_ids and self._reads_reference(repeat):
                 # the reference must see the probe's donors, not the probe held as a donor:
                 # reusing the probe would repair its state a second time (an optimistic PPL)
                 self._flush(client)
                 self._send_donors(client, group)
                 rec.reference_logprobs = self._reference(client, probe)
         return reused_len
+
+    def _reads_reference(self, repeat: int) -> bool:
+        """Whether repeat ``repeat`` of a probe reads its gold reference's logprobs (the first
+        repeat, unless the run sends only what the answers need)."""
+        return repeat == 0 and not self.answers_only
 
     def _vanilla(
         self, workload: Workload, group: RequestGroup, i: int, repeat: int, reused: int | None
@@ -345,7 +350,7 @@ class Runner:
             self._generate(client, probe.prompt_ids, tokens, margins=full),
             repeat,
         )
-        if full and not self.answers_only:
+        if self._reads_reference(repeat):
             rec.reference_logprobs = self._reference(client, probe)
         self.progress(1)
         c = reused or 0

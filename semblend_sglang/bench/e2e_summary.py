@@ -23,11 +23,12 @@ from .metrics import (
     divergence_margin,
     first_divergence,
     greedy_agreement,
+    mean_or_none,
     percentile,
     ppl_ratio,
     rouge_l,
 )
-from .qa_summary import mean_or_none, qa_columns
+from .qa_summary import qa_columns
 from .systems import REORDER, SEMBLEND_SYSTEMS, SGLANG_DISPATCH
 
 TTFT_KINDS: tuple[tuple[str, str], ...] = (
@@ -340,7 +341,7 @@ def summarize(
             and (r.group_id, r.probe) in cold_of
         ]
         # The noise floor: the same prompt, cached vs not, on the same server.
-        row["exact_greedy_agreement"] = sum(exact_agree) / len(exact_agree) if exact_agree else None
+        row["exact_greedy_agreement"] = mean_or_none(exact_agree)
         row.update(_reorder_columns(mine, cold_of))
         row.update(qa_columns(mine))
         spread: dict[str, list[float]] = {}

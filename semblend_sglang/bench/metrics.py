@@ -68,6 +68,11 @@ def miss_overhead(semblend: Sequence[float], vanilla: Sequence[float], q: float 
     return percentile(semblend, q) / base - 1
 
 
+def mean_or_none(values: Sequence[float]) -> float | None:
+    """The mean of ``values``; None when there are none."""
+    return sum(values) / len(values) if values else None
+
+
 def fraction(part: float, whole: float) -> float | None:
     """``part / whole``, or None when ``whole`` is 0 (e.g. reused tokens over prompt tokens,
     hits over lookups, from the server's counters)."""

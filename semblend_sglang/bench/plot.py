@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .e2e_summary import row_name
+from .metrics import mean_or_none
 from .systems import SGLANG_DISPATCH
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ def quality_bars(rows: Sequence[dict[str, Any]]) -> BarChart:
             got = [r[f"{system}_{metric}"] for r in hit if r.get(f"{system}_{metric}") is not None]
             if ran and not hit:
                 no_hit.add((s, c))
-            cells.append(sum(got) / len(got) if got else None)
+            cells.append(mean_or_none(got))
         values.append(tuple(cells))
     return BarChart(
         categories=tuple(names),

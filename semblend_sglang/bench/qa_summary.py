@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord
-from .metrics import QAScore, greedy_agreement, mcnemar_exact, read_answer, score_answer
+from .metrics import (
+    QAScore,
+    greedy_agreement,
+    mcnemar_exact,
+    mean_or_none,
+    read_answer,
+    score_answer,
+)
 from .qa_data import QA_DATASETS
 from .systems import REORDER, SGLANG_DISPATCH
 from .workloads import GoldAnswer
@@ -26,11 +33,6 @@ QA_SOURCES: tuple[tuple[str, str, str], ...] = (
 (:func:`qa_columns`); ``cold`` is the baseline the others are paired with."""
 UNNAMED_DATASET = "unnamed"
 """The dataset name of a gold answer that names none."""
-
-
-def mean_or_none(values: Sequence[float]) -> float | None:
-    """The mean of ``values``; None when there are none."""
-    return sum(values) / len(values) if values else None
 
 
 def _gold(rec: ProbeRecord) -> GoldAnswer:
