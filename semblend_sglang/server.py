@@ -8,6 +8,7 @@ scheduler and detokenizer get it too. Nothing here talks to sglang in-process.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -181,8 +182,8 @@ class SglangServer:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError):
+                pass  # not listening yet, or a reply that is no HTTP: ask again
             time.sleep(1.0)
         raise ServerError(f"sglang server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
@@ -244,10 +245,40 @@ def start_server(
     )
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Linux's range of client (ephemeral) ports."""
+LOWEST_SERVER_PORT = 20000
+"""Lowest port :func:`free_port` hands out."""
+HIGHEST_SERVER_PORT = 55000
+"""Highest port :func:`free_port` hands out: sglang refuses to start when port + 10000 (its
+gRPC port) exceeds 65535."""
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, below the OS's ephemeral range.
+
+    Below it, because a client that polls a port nobody listens on yet can be handed that very
+    port as its own source port and connect to itself (TCP simultaneous open): its request then
+    comes back as the reply. A server port outside the range can never be a client's."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    top = min(_first_ephemeral_port(), HIGHEST_SERVER_PORT)
+    low = LOWEST_SERVER_PORT if top - LOWEST_SERVER_PORT >= 1000 else 1024
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(low, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {top}) on {host}")

@@ -13,26 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from semblend_sglang.server import free_port
+
 WORKER = Path(__file__).resolve().parent / "tp_rank_worker.py"
 SCENARIOS = ["healthy", "kernel_oom", "lookup_error", "rope_unreadable"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_ranks(tmp_path: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(

@@ -236,22 +236,3 @@ def use_triton_interpreter() -> None:
     reference for CPU tensors (kernels/dispatch.py "auto"). The page-size-1 path is unaffected.
     """
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def legacy_port() -> int:
-    """A free port below 55000 for a legacy server: 0.5.15 refuses to start when port + 10000
-    (its gRPC port, server_args.py:2997-3004) exceeds 65535, which an OS-assigned port often
-    does."""
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 55000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 55000")

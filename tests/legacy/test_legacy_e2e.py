@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.harness.versions import legacy_port, legacy_skip_reason
+from tests.harness.versions import legacy_skip_reason
 
 _SKIP = legacy_skip_reason()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
-from semblend_sglang.server import SglangServer, start_server  # noqa: E402
+from semblend_sglang.server import SglangServer, free_port, start_server  # noqa: E402
 from tests.harness.server import generate, semblend_totals  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ def server(
     log = tmp_path_factory.mktemp("legacy-server") / "server.log"
     srv = start_server(
         smollm2_model_dir,
-        port=legacy_port(),
+        port=free_port(),
         env={"SEMBLEND_ENABLED": "1", "TRITON_INTERPRET": "0"},
         log_path=log,
     )

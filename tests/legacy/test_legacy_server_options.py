@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.harness.versions import legacy_port, legacy_skip_reason
+from tests.harness.versions import legacy_skip_reason
 
 _SKIP = legacy_skip_reason()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
-from semblend_sglang.server import http_json, start_server  # noqa: E402
+from semblend_sglang.server import free_port, http_json, start_server  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ def test_legacy_server_names_a_disabled_radix_cache_at_start_and_looks_nothing_u
     log = tmp_path_factory.mktemp("legacy-no-radix") / "server.log"
     srv = start_server(
         smollm2_model_dir,
-        port=legacy_port(),
+        port=free_port(),
         extra_args=["--disable-radix-cache"],
         env={"SEMBLEND_ENABLED": "1", "TRITON_INTERPRET": "0"},
         log_path=log,

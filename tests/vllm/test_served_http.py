@@ -15,12 +15,12 @@ is compared with a cold run of the same prompt (a fresh `cache_salt`).
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,23 +35,18 @@ import pytest
 from served import BLOCK, MAX_TOKENS, Prompts, build_prompts
 
 from semblend_sglang import process_groups
+from semblend_sglang.server import free_port
 
 START_TIMEOUT_S = 600.0
 """Longest wait for the server's /health (a loaded 2-core machine can take minutes)."""
 SERVED_NAME = "smollm2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
             return r.status, r.read().decode()
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError):
         return 0, ""
 
 
@@ -103,7 +98,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     kv = {
         "kv_connector": "SemBlendConnector",
