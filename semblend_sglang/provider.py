@@ -411,7 +411,9 @@ class SemanticProvider:
         """:func:`.plan.build_plan` for the spans ``found`` in the region after the exact hit
         (shifted by ``exact_len`` into target positions), ``lead`` naming the plan's donor;
         ``extra``: ``similarity`` or ``span_donors``."""
-        spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
+        spans = found
+        if exact_len:
+            spans = tuple(Span(s.target_start + exact_len, s.donor_start, s.length) for s in found)
         return build_plan(
             self.config,
             spans=spans,
