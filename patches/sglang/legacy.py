@@ -125,7 +125,7 @@ class LegacyRadixCacheAdapter(SglangAdapter):
             lock=_lock_node,
             unlock=_unlock_node,
             tree_match=self._tree_match,
-            serves=lambda cache: type(cache) in self._served and not getattr(cache, "is_eagle", 0),
+            serves=self._serves,
             paged=False,
         )
         super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
@@ -235,6 +235,11 @@ class LegacyRadixCacheAdapter(SglangAdapter):
         return HookTable(wrappers, triton_attention=False)
 
     # ----------------------------------------------------------------- the view
+    def _serves(self, cache: Any) -> bool:
+        """The hook table serves ``cache``: one of the hooked tree classes, without EAGLE's
+        bigram keys."""
+        return type(cache) in self._served and not getattr(cache, "is_eagle", False)
+
     def _after_abort(self, waiting_before: list[Any], waiting_after: list[Any]) -> None:
         """Requests that ``abort_request`` took out of the waiting queue: drop their plans."""
         still = {id(r) for r in waiting_after}
@@ -313,7 +318,7 @@ class LegacyRadixCacheAdapter(SglangAdapter):
     def _substitute(self, scheduler: Any, req: Any) -> None:
         """Substitute mode at arrival (:func:`.substitute.substitute_request`) on a served tree."""
         cache = getattr(scheduler, "tree_cache", None)
-        if type(cache) not in self._served or cache.disable or getattr(cache, "is_eagle", False):
+        if not self._serves(cache) or cache.disable:
             return
         substitute_request(
             self.flow, scheduler, req, cache, lambda t, ns: self._cached_len(cache, t, ns)
