@@ -56,7 +56,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
             lock=lambda cache, node: cache.lock(node),
             unlock=lambda cache, receipt: cache.unlock(receipt),
             tree_match=self._tree_match,
-            cached_len=lambda cache, tokens, ns: _cached_len(cache, _token_array(tokens), ns),
+            cached_len=_cached_len,
             peers=rank_agreement.attention_peers,
         )
         super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
@@ -265,11 +265,14 @@ def _token_array(tokens: Any) -> array:
 
 
 def _cached_len(cache: Any, tokens: Any, namespace: Namespace) -> int:
-    """Tokens of ``tokens`` the exact cache holds (device and host), via the original match."""
+    """Leading tokens of ``tokens`` (any :func:`_token_array` takes) the exact cache holds
+    (device and host), via the original match."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    key = RadixKey(tokens, extra_key=namespace.extra_key, cache_salt=namespace.cache_salt)
+    key = RadixKey(
+        _token_array(tokens), extra_key=namespace.extra_key, cache_salt=namespace.cache_salt
+    )
     found = _original_match(cache)(cache, MatchPrefixParams(key=key))
     return int(found.device_prefix_len) + _host_len(found)
 
