@@ -16,7 +16,7 @@ from typing import Any
 from semblend_sglang.cpu_runtime import ensure_torchvision_importable
 from semblend_sglang.data import essay_texts
 from semblend_sglang.model_prep import prepare_model
-from semblend_sglang.server import free_port, http_json, start_server
+from semblend_sglang.server import ServerSpec, http_json, start_healthy
 
 
 def main() -> None:
@@ -33,9 +33,8 @@ def main() -> None:
     if args.mode == "off":
         env["SEMBLEND_CPU_QUERY_ONLY_EXTEND"] = "0"
     log = Path(f".cache/check_cpu_query_only_{args.mode}.log")
-    srv = start_server(model, port=free_port(), env=env, log_path=log)
+    (srv,) = start_healthy([ServerSpec(model, env=env, log_path=log)], timeout=900)
     try:
-        srv.wait_healthy(timeout=900)
 
         def generate(n: int) -> tuple[dict[str, Any], float]:
             t0 = time.perf_counter()

@@ -245,6 +245,69 @@ def start_server(
     )
 
 
+PORT_ATTEMPTS = 3
+"""Starts of one server, each on a fresh port, before a port taken at start-up
+(:class:`PortInUseError`) is raised."""
+
+PORT_TAKEN_GRACE_S = 5.0
+"""SIGINT-to-SIGKILL grace for a start whose port was taken: its launcher hangs, it never serves."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server for :func:`start_healthy`: :func:`start_server`'s arguments but the port."""
+
+    model_path: str | Path
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] | None = None
+    log_path: Path | None = None
+    host: str = "127.0.0.1"
+
+
+def _start_on_free_port(spec: ServerSpec) -> SglangServer:
+    return start_server(
+        spec.model_path,
+        host=spec.host,
+        port=free_port(spec.host),
+        extra_args=spec.extra_args,
+        env=spec.env,
+        log_path=spec.log_path,
+    )
+
+
+def start_healthy(
+    specs: Sequence[ServerSpec], timeout: float, attempts: int = PORT_ATTEMPTS
+) -> list[SglangServer]:
+    """Start one server per spec, each on a :func:`free_port`, all before waiting; return them
+    healthy, in the order of ``specs``. ``timeout``: seconds each wait may take.
+
+    A port is only free when chosen: another server starting beside it (SGLang picks its own
+    free ports while it starts) can bind it first. A server whose port was taken
+    (:class:`PortInUseError`) is stopped and started again on another port, up to ``attempts``
+    starts; the others keep running. On any other failure, or the last attempt's, every server
+    started here is stopped and the error re-raised. The benches, the tests' harness and the
+    scripts start servers through it."""
+    servers: list[SglangServer] = []
+    try:
+        for spec in specs:
+            servers.append(_start_on_free_port(spec))
+        for i, spec in enumerate(specs):
+            for attempt in range(1, attempts + 1):
+                try:
+                    servers[i].wait_healthy(timeout=timeout)
+                    break
+                except PortInUseError:
+                    servers[i].stop(grace=PORT_TAKEN_GRACE_S)
+                    if attempt == attempts:
+                        raise
+                    servers[i] = _start_on_free_port(spec)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 """Linux's range of client (ephemeral) ports."""
 LOWEST_SERVER_PORT = 20000

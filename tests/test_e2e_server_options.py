@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.server import PortInUseError, ServerError, SglangServer, free_port
+from semblend_sglang.server import ServerError, ServerSpec, SglangServer, free_port
 from tests.harness.server import generate, healthy_server
 
 pytestmark = pytest.mark.e2e
@@ -122,68 +122,76 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
         _healthy_after_idle(srv)
 
 
-def test_a_bad_setting_stops_the_server_at_start_naming_the_key(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    log = tmp_path_factory.mktemp("bad-config") / "server.log"
-    env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_MIN_REUSE_RATIO": "2.5"}
-    with pytest.raises(ServerError, match="exited"), healthy_server(smollm2_model_dir, log, env):
-        pass
-    assert "SEMBLEND_MIN_REUSE_RATIO" in log.read_text(errors="replace")
-
-
-def test_a_taken_port_fails_fast_and_the_harness_starts_again_on_another(
+def test_a_bad_setting_stops_the_server_at_start_naming_the_key_and_its_peer_is_stopped(
     smollm2_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Handed a taken port first, the harness's start raises PortInUseError from the log (the
-    health wait is cut to 120 s here, so a start that waited it out would raise ServerError
-    instead and fail the test) and the harness serves on the next port: two starts."""
+    """A server with a bad SEMBLEND_* value exits at start naming the key; start_healthy, which
+    started a good server beside it, raises that ServerError and stops the good one too."""
+    import semblend_sglang.server as server_module
+
+    logs = tmp_path_factory.mktemp("bad-config")
+    started: list[SglangServer] = []
+    real_start = server_module.start_server
+
+    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
+        started.append(real_start(*args, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(server_module, "start_server", recorded_start)
+    bad = {"SEMBLEND_ENABLED": "1", "SEMBLEND_MIN_REUSE_RATIO": "2.5"}
+    specs = [
+        ServerSpec(smollm2_model_dir, env=bad, log_path=logs / "bad.log"),
+        ServerSpec(smollm2_model_dir, env={"SEMBLEND_ENABLED": "1"}, log_path=logs / "good.log"),
+    ]
+    with pytest.raises(ServerError, match="exited"):
+        server_module.start_healthy(specs, timeout=600)
+    assert "SEMBLEND_MIN_REUSE_RATIO" in (logs / "bad.log").read_text(errors="replace")
+    assert len(started) == 2 and not any(s.alive() for s in started)
+
+
+def test_a_taken_port_fails_fast_and_only_its_server_starts_again_on_another(
+    smollm2_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two servers started together, the first handed a taken port: start_healthy stops it on
+    PortInUseError from its log (each wait is cut to 120 s, so a start that waited it out would
+    raise ServerError and fail the test) and starts it again on another port; the second, on
+    its own port, is started once and kept. Three starts; both serve."""
     import socket
 
-    import tests.harness.server as harness_server
+    import semblend_sglang.server as server_module
 
-    log = tmp_path_factory.mktemp("port-taken") / "server.log"
-    starts: list[tuple[int, type[BaseException] | None]] = []
-    real_start = harness_server.start_server
+    logs = tmp_path_factory.mktemp("port-taken")
+    started: list[SglangServer] = []
+    real_start = server_module.start_server
 
-    class Recorded:
-        """A started server whose wait_healthy outcome is recorded."""
-
-        def __init__(self, server: SglangServer, port: int) -> None:
-            self._server, self._port = server, port
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._server, name)
-
-        def wait_healthy(self, timeout: float) -> None:
-            try:
-                self._server.wait_healthy(timeout=timeout)
-            except BaseException as exc:
-                starts.append((self._port, type(exc)))
-                raise
-            starts.append((self._port, None))
-
-    def recorded_start(model: Path, *, port: int, **kw: Any) -> Recorded:
-        return Recorded(real_start(model, port=port, **kw), port)
+    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
+        started.append(real_start(*args, **kw))
+        return started[-1]
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = int(holder.getsockname()[1])
-        fresh = free_port()
-        handed: list[int] = []
-
-        def next_port() -> int:
-            handed.append(taken if not handed else fresh)
-            return handed[-1]
-
-        monkeypatch.setattr(harness_server, "free_port", next_port)
-        monkeypatch.setattr(harness_server, "start_server", recorded_start)
-        monkeypatch.setattr(harness_server, "HEALTHY_WITHIN_S", 120.0)
-        with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}) as srv:
-            assert starts == [(taken, PortInUseError), (fresh, None)], starts
-            assert srv.url.endswith(f":{fresh}")
-            answer = generate(srv.url, [1, 2, 3, 4], 2)
-            assert answer["meta_info"]["completion_tokens"] == 2
+        fresh = [free_port(), free_port()]
+        handed = iter([taken, *fresh])
+        monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(handed))
+        monkeypatch.setattr(server_module, "start_server", recorded_start)
+        specs = [
+            ServerSpec(smollm2_model_dir, env={"SEMBLEND_ENABLED": "1"}, log_path=logs / f"{i}.log")
+            for i in range(2)
+        ]
+        servers = server_module.start_healthy(specs, timeout=120.0)
+        try:
+            assert [s.url.rsplit(":", 1)[1] for s in started] == [str(p) for p in (taken, *fresh)]
+            assert [s.url for s in servers] == [started[2].url, started[1].url]
+            assert not started[0].alive(), "the start on the taken port was not stopped"
+            for server in servers:
+                answer = generate(server.url, [1, 2, 3, 4], 2)
+                assert answer["meta_info"]["completion_tokens"] == 2
+        finally:
+            for server in servers:
+                server.stop()

@@ -316,7 +316,7 @@ def command(
     from transformers import AutoTokenizer
 
     from ..data import essay_texts
-    from ..server import free_port, start_server
+    from ..server import ServerSpec, start_healthy
 
     names = [r.strip() for r in roles.split(",") if r.strip()]
     unknown = [r for r in names if r not in ROLE_ENV]
@@ -327,19 +327,17 @@ def command(
     prompts = build_prompts(tokenizer, passage, passage_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    servers = {
-        role: start_server(
+    specs = [
+        ServerSpec(
             model_path,
-            port=free_port(),
             extra_args=list(server_args),
             env=ROLE_ENV[role],
             log_path=out_dir / f"any-weights-{role}-server.log",
         )
         for role in names
-    }
+    ]
+    servers = dict(zip(names, start_healthy(specs, timeout=600), strict=True))
     try:
-        for server in servers.values():
-            server.wait_healthy(timeout=600)
         click.echo(f"servers healthy after {time.monotonic() - started:.0f}s", err=True)
         results = run_checks(
             {r: s.url for r, s in servers.items()}, prompts, len(tokenizer), tolerance

@@ -149,13 +149,12 @@ def run_interleaved(
 
 def _start(semblend: bool) -> Any:
     from ..model_prep import prepare_model
-    from ..server import free_port, start_server
+    from ..server import ServerSpec, start_healthy
 
     name = "semblend" if semblend else "vanilla"
     log = Path("bench-results") / f"semantic-{name}-server.log"
     env = {"SEMBLEND_ENABLED": "1" if semblend else "0"}
-    server = start_server(prepare_model(), port=free_port(), env=env, log_path=log)
-    server.wait_healthy()
+    (server,) = start_healthy([ServerSpec(prepare_model(), env=env, log_path=log)], timeout=300)
     return server
 
 

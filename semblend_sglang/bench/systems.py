@@ -96,29 +96,20 @@ def _start_healthy(
     logs: Path,
     semblend_env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Start a server per (system, log name), then wait for every one to be healthy; on any
-    failure stop them all and re-raise."""
-    from ..server import free_port, start_server
+    """Start a server per (system, log name) and return them healthy
+    (:func:`semblend_sglang.server.start_healthy`: on a failure every one is stopped)."""
+    from ..server import ServerSpec, start_healthy
 
-    servers: list[Any] = []
-    try:
-        for system, name in named:
-            servers.append(
-                start_server(
-                    model,
-                    port=free_port(),
-                    extra_args=list(extra),
-                    env=system_environ(system, extra, semblend_env),
-                    log_path=logs / f"{name}-server.log",
-                )
-            )
-        for server in servers:
-            server.wait_healthy(timeout=900)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
+    specs = [
+        ServerSpec(
+            model,
+            extra_args=list(extra),
+            env=system_environ(system, extra, semblend_env),
+            log_path=logs / f"{name}-server.log",
+        )
+        for system, name in named
+    ]
+    return list(start_healthy(specs, timeout=900))
 
 
 def parse_systems(value: str) -> list[str]:

@@ -156,13 +156,12 @@ def command(url: str | None, lengths: str, samples: int, json_path: Path | None)
     server = None
     if url is None:
         from ..model_prep import prepare_model
-        from ..server import free_port, start_server
+        from ..server import ServerSpec, start_healthy
 
         log = Path("bench-results") / "ttft-server.log"
-        server = start_server(prepare_model(), port=free_port(), log_path=log)
         click.echo(f"starting SGLang server on CPU (log: {log}) ...")
         t0 = time.perf_counter()
-        server.wait_healthy()
+        (server,) = start_healthy([ServerSpec(prepare_model(), log_path=log)], timeout=300)
         click.echo(f"server ready in {time.perf_counter() - t0:.1f}s")
         url = server.url
     try:

@@ -23,7 +23,7 @@ _SKIP = legacy_skip_reason()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
-from semblend_sglang.server import SglangServer, free_port, start_server  # noqa: E402
+from semblend_sglang.server import ServerSpec, SglangServer, start_healthy  # noqa: E402
 from tests.harness.server import generate, semblend_totals  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -44,14 +44,11 @@ def server(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("legacy-server") / "server.log"
-    srv = start_server(
-        smollm2_model_dir,
-        port=free_port(),
-        env={"SEMBLEND_ENABLED": "1", "TRITON_INTERPRET": "0"},
-        log_path=log,
+    spec = ServerSpec(
+        smollm2_model_dir, env={"SEMBLEND_ENABLED": "1", "TRITON_INTERPRET": "0"}, log_path=log
     )
+    (srv,) = start_healthy([spec], timeout=600)
     try:
-        srv.wait_healthy(timeout=600)
         yield srv
     finally:
         srv.stop()

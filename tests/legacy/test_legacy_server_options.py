@@ -16,7 +16,7 @@ _SKIP = legacy_skip_reason()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
-from semblend_sglang.server import free_port, http_json, start_server  # noqa: E402
+from semblend_sglang.server import ServerSpec, http_json, start_healthy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -28,15 +28,14 @@ def test_legacy_server_names_a_disabled_radix_cache_at_start_and_looks_nothing_u
     essay_texts: list[str],
 ) -> None:
     log = tmp_path_factory.mktemp("legacy-no-radix") / "server.log"
-    srv = start_server(
+    spec = ServerSpec(
         smollm2_model_dir,
-        port=free_port(),
         extra_args=["--disable-radix-cache"],
         env={"SEMBLEND_ENABLED": "1", "TRITON_INTERPRET": "0"},
         log_path=log,
     )
+    (srv,) = start_healthy([spec], timeout=600)
     try:
-        srv.wait_healthy(timeout=600)
         doc = smollm2_tokenizer.encode(essay_texts[0], add_special_tokens=False)[:600]
         for head in ("Summarize this essay.\n\n", "List the essay's main claims.\n\n"):
             ids = smollm2_tokenizer.encode(head, add_special_tokens=False) + doc
