@@ -122,24 +122,31 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
         _healthy_after_idle(srv)
 
 
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[SglangServer]:
+    """Every server ``semblend_sglang.server.start_healthy`` starts during the test, in order:
+    its ``start_server`` is wrapped to record them."""
+    import semblend_sglang.server as server_module
+
+    recorded: list[SglangServer] = []
+    real_start = server_module.start_server
+
+    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
+        recorded.append(real_start(*args, **kw))
+        return recorded[-1]
+
+    monkeypatch.setattr(server_module, "start_server", recorded_start)
+    return recorded
+
+
 def test_a_bad_setting_stops_the_server_at_start_naming_the_key_and_its_peer_is_stopped(
-    smollm2_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    monkeypatch: pytest.MonkeyPatch,
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, started: list[SglangServer]
 ) -> None:
     """A server with a bad SEMBLEND_* value exits at start naming the key; start_healthy, which
     started a good server beside it, raises that ServerError and stops the good one too."""
     import semblend_sglang.server as server_module
 
     logs = tmp_path_factory.mktemp("bad-config")
-    started: list[SglangServer] = []
-    real_start = server_module.start_server
-
-    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
-        started.append(real_start(*args, **kw))
-        return started[-1]
-
-    monkeypatch.setattr(server_module, "start_server", recorded_start)
     bad = {"SEMBLEND_ENABLED": "1", "SEMBLEND_MIN_REUSE_RATIO": "2.5"}
     specs = [
         ServerSpec(smollm2_model_dir, env=bad, log_path=logs / "bad.log"),
@@ -155,6 +162,7 @@ def test_a_taken_port_fails_fast_and_only_its_server_starts_again_on_another(
     smollm2_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
+    started: list[SglangServer],
 ) -> None:
     """Two servers started together, the first handed a taken port: start_healthy stops it on
     PortInUseError from its log (each wait is cut to 120 s, so a start that waited it out would
@@ -165,13 +173,6 @@ def test_a_taken_port_fails_fast_and_only_its_server_starts_again_on_another(
     import semblend_sglang.server as server_module
 
     logs = tmp_path_factory.mktemp("port-taken")
-    started: list[SglangServer] = []
-    real_start = server_module.start_server
-
-    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
-        started.append(real_start(*args, **kw))
-        return started[-1]
-
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -179,7 +180,6 @@ def test_a_taken_port_fails_fast_and_only_its_server_starts_again_on_another(
         fresh = [free_port(), free_port()]
         handed = iter([taken, *fresh])
         monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(handed))
-        monkeypatch.setattr(server_module, "start_server", recorded_start)
         specs = [
             ServerSpec(smollm2_model_dir, env={"SEMBLEND_ENABLED": "1"}, log_path=logs / f"{i}.log")
             for i in range(2)

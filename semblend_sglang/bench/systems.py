@@ -109,7 +109,7 @@ def _start_healthy(
         )
         for system, name in named
     ]
-    return list(start_healthy(specs, timeout=900))
+    return start_healthy(specs, timeout=900)
 
 
 def parse_systems(value: str) -> list[str]:
