@@ -9,6 +9,7 @@ which instance served a request is SMG's ``x-smg-routed-worker-id`` answer heade
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,8 @@ from semblend_sglang.bench.gateway import (
     run_placement,
     send,
     sending_order,
-    start_gateway,
 )
+from semblend_sglang.bench.smg_process import GATEWAY_BIND_FAILURE, GatewayError, start_gateway
 from semblend_sglang.bench.workloads import Workload
 from semblend_sglang.routing_keys import DonorRoutingKeys
 
@@ -76,6 +77,45 @@ def test_donor_aware_keeps_the_single_instance_hit_rate_behind_smg(
         where.setdefault(group_id, set()).add(worker)
     assert all(len(workers) == 1 for workers in where.values()), where  # a group, one instance
     assert sorted(donor.per_instance.values()) == [4, 4]  # new keys placed round-robin
+
+
+def test_a_taken_gateway_port_starts_smg_again_on_another(
+    instances: Any, workload: Workload, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SMG given a port another socket holds exits naming it; start_gateway starts it again on
+    another port, routes through it, and keeps the failed start's output in the log."""
+    import semblend_sglang.server as server_module
+
+    urls = [s.url for s in instances]
+    real_free_port = server_module.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        given = iter([taken_port])
+        monkeypatch.setattr(server_module, "free_port", lambda: next(given, 0) or real_free_port())
+        log = tmp_path / "taken.log"
+        gateway = start_gateway(urls, GATEWAY_POLICY["round_robin"], log)
+        try:
+            assert not gateway.url.endswith(f":{taken_port}")
+            assert gateway.process.poll() is None
+            _, request = sending_order(workload)[0]
+            sent = send(gateway.url, request, urls)
+            assert sent.status == 200 and sent.worker in urls, sent
+        finally:
+            gateway.stop()
+    text = log.read_text(errors="replace")
+    assert f"127.0.0.1:{taken_port}: {GATEWAY_BIND_FAILURE}" in text, text[-2000:]
+
+
+def test_a_failure_other_than_a_taken_port_is_not_retried(tmp_path: Path) -> None:
+    """SMG refusing its arguments fails start_gateway at once, started once: only a taken port
+    is worth another start."""
+    log = tmp_path / "bad.log"
+    with pytest.raises(GatewayError, match="did not become ready"):
+        start_gateway(["http://127.0.0.1:1"], ("--policy", "no_such_policy"), log, timeout=60)
+    text = log.read_text(errors="replace")
+    assert text.count("invalid choice: 'no_such_policy'") == 1, text[-2000:]
 
 
 def test_a_stopped_instance_fails_no_request_and_its_keys_move(

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +33,8 @@ import click
 import httpx
 
 from ..namespace import Namespace
-from ..process_groups import stop as stop_processes
-from ..process_groups import track
 from ..routing_keys import ROUTED_WORKER_HEADER, DonorRoutingKeys, KeyChoice
+from .smg_process import smg_binary, start_gateway
 from .workloads import BenchRequest, Workload
 
 PLACEMENTS = ("single_instance", "round_robin", "cache_aware", "donor_aware")
@@ -49,114 +44,9 @@ GATEWAY_POLICY: dict[str, tuple[str, ...]] = {
     "donor_aware": ("--policy", "round_robin", "--routing-key-override"),
 }
 """SMG's own flags for each placement behind the gateway."""
-GATEWAY_HEALTH_ARGS = (
-    "--health-check-endpoint",
-    "/model_info",
-    "--health-check-interval-secs",
-    "1",
-    "--health-failure-threshold",
-    "2",
-    "--health-check-timeout-secs",
-    "5",
-    "--cb-failure-threshold",
-    "2",
-    "--retry-max-retries",
-    "10",
-)
-"""A stopped instance leaves the rotation within about two seconds: health checks every second
-against ``/model_info`` (answered by SGLang's HTTP process at once, however busy the scheduler:
-SGLang's ``/health`` runs a generation and times out behind a long CPU prefill, which would mark
-a busy instance unhealthy), unhealthy after two failures, a circuit breaker that opens after two
-failed requests, and up to 10 retries (exponential backoff from 50 ms, about 6 s in all) for the
-requests sent in between; a retry re-places a key whose worker is unavailable."""
 DEFAULT_WORKLOADS = ("cross_instruction", "template", "rag")
 NAMESPACE = Namespace(model="bench")
 """The client's namespace: one model, no salt (the client keys only its own requests)."""
-
-
-class GatewayError(RuntimeError):
-    """SMG could not be started or did not become ready."""
-
-
-@dataclass
-class Gateway:
-    """A running ``smg launch`` process on loopback (``url``), its log at ``log_path``."""
-
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def stop(self, grace: float = 10.0) -> None:
-        """Terminate SMG (kill after ``grace`` seconds); idempotent."""
-        stop_processes([self.process], grace)
-
-
-def smg_binary() -> str:
-    """The ``smg`` command of this environment (beside its Python, else on PATH);
-    GatewayError when smg is not installed."""
-    here = Path(sys.executable).parent / "smg"
-    found = str(here) if here.exists() else shutil.which("smg")
-    if found is None:
-        raise GatewayError("smg is not installed (pip install --no-deps smg==1.13.0)")
-    return found
-
-
-def start_gateway(
-    worker_urls: Sequence[str],
-    policy_args: Sequence[str],
-    log_path: Path,
-    timeout: float = 120.0,
-) -> Gateway:
-    """Start SMG on a free loopback port over ``worker_urls`` with ``policy_args`` (and
-    :data:`GATEWAY_HEALTH_ARGS`); return once it answers ``/health`` and lists every worker as
-    healthy. GatewayError (the process stopped) when it does not within ``timeout`` s."""
-    from ..server import free_port
-
-    port = free_port()
-    command = [
-        smg_binary(),
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *worker_urls,
-        *policy_args,
-        *GATEWAY_HEALTH_ARGS,
-        "--prometheus-port",
-        str(free_port()),
-    ]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    # Stopped with the bench on SIGTERM, SIGINT or exit, as its SGLang servers are.
-    track(process, own_group=False, polite=signal.SIGTERM)
-    gateway = Gateway(process, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            break
-        if _healthy_workers(gateway.url) >= len(worker_urls):
-            return gateway
-        time.sleep(0.5)
-    gateway.stop()
-    tail = log_path.read_text(errors="replace")[-2000:]
-    raise GatewayError(f"smg did not become ready with {len(worker_urls)} workers:\n{tail}")
-
-
-def _healthy_workers(url: str) -> int:
-    """Workers SMG at ``url`` reports healthy (``GET /workers``); 0 when it does not answer."""
-    try:
-        answer = httpx.get(url + "/workers", timeout=2.0)
-        if answer.status_code != 200:
-            return 0
-        workers = answer.json().get("workers", [])
-    except (httpx.HTTPError, ValueError):
-        return 0
-    return sum(1 for w in workers if w.get("is_healthy", True))
 
 
 @dataclass(frozen=True)
