@@ -82,7 +82,7 @@ def start_gateway(
     attempts: int = 3,
 ) -> Gateway:
     """Start SMG on free loopback ports over ``worker_urls`` with ``policy_args`` (and
-    :data:`GATEWAY_HEALTH_ARGS`); return once it answers ``/health`` and lists every worker as
+    :data:`GATEWAY_HEALTH_ARGS`); return once its ``GET /workers`` lists every worker as
     healthy. When SMG exits because a port it was given is taken
     (:data:`GATEWAY_BIND_FAILURE`), it is started again on other ports, ``attempts`` starts in
     all; every start's output is appended to ``log_path``. GatewayError (the process stopped)
