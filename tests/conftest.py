@@ -27,6 +27,26 @@ os.environ.setdefault("SEMBLEND_MODEL_CACHE", str(REPO_ROOT / ".cache" / "models
 ensure_torchvision_importable()
 
 
+TEST_KV_POOL_TOKENS = 16384
+"""KV pool of every CPU server the tests start in this process, where a test passes no
+``--max-total-tokens`` of its own. The product's CPU default (65,536 tokens,
+``semblend_sglang.server.CPU_SERVER_FLAGS``) is 3 GB of float32 SmolLM2 KV and about 3.5 s more
+to allocate per start (docs/perf.md "CI wall time"); no test prompt is near 16,384 tokens."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_kv_pool() -> Iterator[None]:
+    """Every server :func:`semblend_sglang.server.build_server_command` builds for the tests
+    reserves :data:`TEST_KV_POOL_TOKENS`; a test's own ``--max-total-tokens`` still wins."""
+    from semblend_sglang import server
+
+    flags = list(server.CPU_SERVER_FLAGS)
+    flags[flags.index("--max-total-tokens") + 1] = str(TEST_KV_POOL_TOKENS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server, "CPU_SERVER_FLAGS", tuple(flags))
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_model_dir() -> Path:
     """Prepared HF folder of SmolLM2-135M-Instruct (bf16), converted once per cache dir."""
