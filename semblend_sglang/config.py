@@ -195,7 +195,7 @@ class Config:
         maximum=4096,
     )
     recompute_check_span_limit: int = setting(
-        0,
+        128,
         "deviation/query: at most this many positions of each copied span of a sampled plan "
         "are checked (its first, then evenly spread), so the check's cost follows the plan and "
         "not the prompt's length (0: no limit, recompute_check_share alone).",

@@ -33,19 +33,24 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from semblend_sglang.config import Config
+
 MIN_REUSE = 32
 VOCAB = 49152
+RESOLVED_KEYS = (
+    "enabled",
+    "mode",
+    "recompute_strategy",
+    "recompute_ratio",
+    "recompute_check_layer",
+    "recompute_check_share",
+    "recompute_check_max_spans",
+    "recompute_check_span_limit",
+    "recompute_min_deviation",
+    "quality_gate",
+)
 RESOLVED_CONFIG: dict[str, Any] = {
-    "enabled": True,
-    "mode": "exact_spans",
-    "recompute_strategy": "deviation",
-    "recompute_ratio": 0.15,
-    "recompute_check_layer": 1,
-    "recompute_check_share": 0.15,
-    "recompute_check_max_spans": 1,
-    "recompute_check_span_limit": 0,
-    "recompute_min_deviation": 1e-4,
-    "quality_gate": 0.0,
+    key: value for key, value in Config().as_dict().items() if key in RESOLVED_KEYS
 }
 """The default ``config`` of the snapshot (a part of ``Config.as_dict()``)."""
 

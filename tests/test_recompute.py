@@ -197,7 +197,7 @@ def test_only_plans_of_few_spans_are_checked_on_a_sample_and_none_under_the_gate
     assert _sampling(0.15, 8, 1e-3).share_for(1) == 1.0
     assert _sampling(1.0, 8, 0.0).share_for(1) == 1.0
     assert recompute.CheckSampling().share_for(1) == 1.0
-    assert recompute.CheckSampling.of(Config()) == recompute.CheckSampling(0.15, 1, 0)
+    assert recompute.CheckSampling.of(Config()) == recompute.CheckSampling(0.15, 1, 128)
 
 
 @pytest.mark.parametrize("length", [1, 7, 100, 1706, 8000])
