@@ -33,22 +33,12 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from semblend_sglang.bench.e2e_summary import RECOMPUTE_SETTINGS
 from semblend_sglang.config import Config
 
 MIN_REUSE = 32
 VOCAB = 49152
-RESOLVED_KEYS = (
-    "enabled",
-    "mode",
-    "recompute_strategy",
-    "recompute_ratio",
-    "recompute_check_layer",
-    "recompute_check_share",
-    "recompute_check_max_spans",
-    "recompute_check_span_limit",
-    "recompute_min_deviation",
-    "quality_gate",
-)
+RESOLVED_KEYS = ("enabled", "mode", *RECOMPUTE_SETTINGS)
 RESOLVED_CONFIG: dict[str, Any] = {
     key: value for key, value in Config().as_dict().items() if key in RESOLVED_KEYS
 }
