@@ -19,6 +19,21 @@ def rotation_angles(deltas: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     return deltas.to(torch.float32)[:, None] * inv_freq[None, :]
 
 
+def rotation_cos_sin(deltas: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (cos, sin) [tokens, rotary_dim // 2] of :func:`rotation_angles`, each evaluated once
+    per distinct delta and gathered per token.
+
+    Every torch rotation path takes its tables from here. Evaluated per token, a few thousand
+    angles reach MKL's multithreaded ``vmsCos``/``vmsSin``, whose worker thread has returned
+    values ~5e-5 off for its share of the rows, so equal angles were rotated differently in
+    one call and the next. A span's tokens share one delta: the distinct angles are few, and
+    their cos/sin run on the calling thread.
+    """
+    unique, inverse = torch.unique(deltas, return_inverse=True)
+    angles = rotation_angles(unique, spec)
+    return angles.cos()[inverse], angles.sin()[inverse]
+
+
 def rotate_fp32(x: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     """Rotate fp32 keys ``x`` [tokens, heads, head_dim] by ``deltas`` [tokens]; new tensor.
 
@@ -29,9 +44,9 @@ def rotate_fp32(x: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> torch.
     if x.shape[-1] != spec.head_dim:
         raise ValueError(f"key head_dim {x.shape[-1]} != spec.head_dim {spec.head_dim}")
     half = spec.rotary_dim // 2
-    angles = rotation_angles(deltas, spec)
-    cos = angles.cos()[:, None, :]
-    sin = angles.sin()[:, None, :]
+    cos_values, sin_values = rotation_cos_sin(deltas, spec)
+    cos = cos_values[:, None, :]
+    sin = sin_values[:, None, :]
     out = x.clone()
     rot = x[..., : spec.rotary_dim]
     if spec.is_neox_style:

@@ -28,7 +28,7 @@ import torch
 
 from semblend_sglang.kernels.kv_layouts import FP8_DTYPE, BlockCaches
 from semblend_sglang.kernels.rope_spec import RopeSpec
-from semblend_sglang.kernels.rotate_ref import rotation_angles
+from semblend_sglang.kernels.rotate_ref import rotation_cos_sin
 from semblend_sglang.kernels.transfer_ref import FP8_MAX
 
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16)
@@ -73,7 +73,7 @@ _SCRATCH = _Scratch()
 class Rotation:
     """R(delta) for ``tokens`` tokens of ``heads`` heads, applied in place to fp32 keys.
 
-    Writes cos, sin and -sin of ``rotate_ref.rotation_angles`` (so the reference's values, bit
+    Writes cos, sin and -sin of ``rotate_ref.rotation_cos_sin`` (so the reference's values, bit
     for bit) into the given contiguous fp32 tables: ``cos`` [tokens, heads, rotary_dim] (the
     angle's cosine at both dims of each pair), ``sin`` and ``neg_sin`` [tokens, heads,
     rotary_dim // 2].
@@ -87,9 +87,8 @@ class Rotation:
         sin: torch.Tensor,
         neg_sin: torch.Tensor,
     ) -> None:
-        angles = rotation_angles(deltas, spec)[:, None, :]
+        cos_values, sin_values = (t[:, None, :] for t in rotation_cos_sin(deltas, spec))
         n, heads, half = sin.shape
-        cos_values, sin_values = angles.cos(), angles.sin()
         if spec.is_neox_style:
             cos.view(n, heads, 2, half).copy_(cos_values[:, :, None, :].expand(n, heads, 2, half))
         else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from semblend_sglang.kernels import (
     RopeSpec,
@@ -260,3 +261,37 @@ def test_chunked_transfer_equals_reference(
     test_fast_path_equals_reference_bit_for_bit(case)
     paged = replace(case, layout="flashinfer", hnd=True, block_size=16, blocks=8)
     test_fast_path_equals_reference_bit_for_bit(paged)  # (block, offset) indexing
+
+
+class _TrigCalls(TorchFunctionMode):
+    """Records the element count of every torch cos/sin evaluated inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.Tensor.cos, torch.cos, torch.Tensor.sin, torch.sin):
+            self.numels.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def test_cos_and_sin_run_once_per_distinct_delta_in_both_paths() -> None:
+    """4,096 tokens in two spans (two deltas): the fast path and the reference each evaluate
+    cos and sin on 2 x 32 angles, never per token, since MKL's multithreaded cos/sin returned
+    other values on a worker thread's rows than on the calling thread's (rotation_cos_sin);
+    and the two paths still agree bit for bit."""
+    n, spec = 4096, RopeSpec(64, 64, 1e5)
+    gen = torch.Generator().manual_seed(11)
+    k = [torch.randn(2 * n, 3, 64, generator=gen) for _ in range(2)]
+    v = [torch.randn(2 * n, 3, 64, generator=gen) for _ in range(2)]
+    src, dst = torch.arange(n), torch.arange(n, 2 * n)
+    deltas = torch.cat([torch.full((n // 2,), 11), torch.full((n - n // 2,), -300)])
+    results = []
+    for backend in ("auto", "torch"):
+        kk, vv = [t.clone() for t in k], [t.clone() for t in v]
+        with _TrigCalls() as trig:
+            transfer_kv_sglang(kk, vv, src, dst, deltas, spec, backend=backend)
+        assert trig.numels and max(trig.numels) == 2 * 32, (backend, trig.numels)
+        results.append(kk + vv)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
