@@ -13,7 +13,7 @@ rotated K dims may come out as another NaN encoding). Only the data movement dif
   bytes), so whole words are copied; layouts whose slots do not flatten (HND views, FlashInfer
   with block size > 1) index (block, offset) like the reference;
 - K's rotated dims are converted once per layer into one fp32 buffer, rotated there in place and
-  rounded once back into the gathered rows;
+  rounded once back into the gathered rows (fp32 rows rotated entirely are rotated in place);
 - tables, fp32 buffers and gathered rows live in per-thread scratch memory kept between calls,
   so a repeated call touches no fresh pages; tokens are moved in chunks of ``CHUNK_ELEMENTS`` K
   elements, all layers per chunk, which bounds that memory.
@@ -201,6 +201,8 @@ def _transfer_chunk(
         ((n, heads, head_dim), store_dtype),
     )
     rotation = Rotation(deltas, spec, cos, sin, neg_sin)
+    # fp32 rows with every dim rotated are already the fp32 buffer rotate_ wants, if contiguous
+    fp32_rows = value_dtype == f32 and r == head_dim
     if not flat:
         bs = caches.block_size
         sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
@@ -213,15 +215,18 @@ def _transfer_chunk(
         else:
             rows = k[sb, so]
         rotated = rows.view(value_dtype)[..., :r]
-        work.copy_(rotated)
-        if fp8:
-            scale = caches.k_scales[layer]
-            work.mul_(scale)
-            rotation.rotate_(work, scratch)
-            work.div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+        if fp32_rows and rotated.is_contiguous():  # rotated where gathered: no trip through work
+            rotation.rotate_(rotated, scratch)
         else:
-            rotation.rotate_(work, scratch)
-        rotated.copy_(work)
+            work.copy_(rotated)
+            if fp8:
+                scale = caches.k_scales[layer]
+                work.mul_(scale)
+                rotation.rotate_(work, scratch)
+                work.div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+            else:
+                rotation.rotate_(work, scratch)
+            rotated.copy_(work)
         if flat:
             k_wide.index_copy_(0, dst, gathered)
             v_wide.index_copy_(0, dst, _gather(v_wide, src, v_rows))

@@ -85,6 +85,7 @@ class ServerState:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     hook_seconds: float = 0.0
+    copy_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def admit(self, prompt: tuple[int, ...]) -> tuple[int, int]:
@@ -108,6 +109,7 @@ class ServerState:
                     self.recomputed_tokens += recomputed
                     self.outcomes["materialized"] += 1
                     self.reused_tokens += reused
+                    self.copy_seconds += 0.0003
                 else:
                     reused = 0
                     self.outcomes["declined"] += 1
@@ -140,6 +142,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "declined": dict(state.declined),
                     "reused_tokens": state.reused_tokens,
                     "hook_seconds": state.hook_seconds,
+                    "copy_seconds": state.copy_seconds,
                 }
                 if state.recompute_counter:
                     total["recomputed_tokens"] = state.recomputed_tokens

@@ -3,6 +3,8 @@ code 2, no traceback, before any server starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -32,3 +34,23 @@ def test_a_malformed_flag_is_one_usage_error_naming_it(
     assert option in result.output and fragment in result.output, result.output
     assert "Traceback" not in result.output
     assert "starting" not in result.output  # rejected before any server starts
+
+
+def test_kernels_bench_rejects_an_unknown_dtype_and_times_a_float32_cache(tmp_path: Path) -> None:
+    """``bench kernels --dtypes``: an unknown name is one usage error; float32 (a CPU server's
+    cache) is timed like the others, on a tiny pool."""
+    import json
+
+    from semblend_sglang.bench.kernel_bandwidth import command as kernels
+
+    bad = CliRunner().invoke(kernels, ["--dtypes", "float32,fp4"])
+    assert bad.exit_code == 2 and "--dtypes" in bad.output and "Traceback" not in bad.output
+    out = tmp_path / "k.json"
+    shape = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--tokens", "16"]
+    ok = CliRunner().invoke(
+        kernels,
+        [*shape, "--iters", "1", "--device", "cpu", "--dtypes", "float32", "--json", str(out)],
+    )
+    assert ok.exit_code == 0, ok.output
+    (timed,) = json.loads(out.read_text())["dtypes"].items()
+    assert timed[0] == "float32" and timed[1]["bytes_moved"] == 2 * 2 * 2 * 16 * 2 * 64 * 4

@@ -13,7 +13,7 @@ import pytest
 from semblend_sglang.bench.e2e import SCHEMA_VERSION
 from semblend_sglang.bench.e2e_runner import (
     ProbeRecord,
-    hook_ms_delta,
+    ms_delta,
     outcome_delta,
     requests_per_group,
 )
@@ -52,8 +52,13 @@ def test_outcome_delta_names_the_one_outcome_a_request_added() -> None:
 
 
 def test_hook_time_delta_between_snapshots() -> None:
-    assert hook_ms_delta({"hook_seconds": 0.5}, {"hook_seconds": 0.5015}) == pytest.approx(1.5)
-    assert hook_ms_delta(None, {"hook_seconds": 1.0}) is None
+    assert ms_delta({"hook_seconds": 0.5}, {"hook_seconds": 0.5015}) == pytest.approx(1.5)
+    assert ms_delta(None, {"hook_seconds": 1.0}) is None
+    copies = (
+        {"hook_seconds": 1.0, "copy_seconds": 0.25},
+        {"hook_seconds": 2.0, "copy_seconds": 0.5},
+    )
+    assert ms_delta(*copies, "copy_seconds") == pytest.approx(250.0)
 
 
 def test_control_rows_report_the_miss_overhead_in_the_scheduler() -> None:

@@ -158,6 +158,9 @@ def test_json_summary_has_one_row_per_label(run: tuple[str, dict[str, Any], Path
         assert row["exact_spans_speedup"] <= row["exact_spans_speedup_max"]
         assert row["exact_spans_ms_min"] <= row["exact_spans_ms_p50"] <= row["exact_spans_ms_max"]
         assert isinstance(row["noisy"], bool) and (row["noisy_why"] is None) != row["noisy"]
+        # a hit's hook time and its copy's part, read from the server's counters per probe
+        assert row["exact_spans_hit_hook_ms"] == pytest.approx(0.5)
+        assert row["exact_spans_hit_copy_ms"] == pytest.approx(0.3)
     assert by["rag"]["exact_spans_ppl_ratio"] == pytest.approx(1.0)  # only rag has references
     assert by["template"]["exact_spans_ppl_ratio"] is None
     assert by["unrelated"]["exact_spans_hit_rate"] == 0.0 and by["unrelated"]["control"] is False
@@ -169,6 +172,7 @@ def test_json_summary_has_one_row_per_label(run: tuple[str, dict[str, Any], Path
     assert report["options"]["repeats"] == REPEATS
     assert report["noise"]["foreign_cores_max"] is None  # --url servers: load not measured
     assert control["exact_spans_miss_hook_ms"] == pytest.approx(0.5)  # the server's own counter
+    assert control["exact_spans_hit_copy_ms"] is None  # no hit, nothing copied
 
 
 def test_records_carry_labels_and_rebuild_the_summary(

@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -83,7 +83,9 @@ rows carry ``reorder_ms_*``, ``exact_spans_over_reorder`` (paired, with ``_min``
 ``_n``), ``reorder_cached_fraction``, ``reorder_greedy_agreement`` and a ``reorder`` source in
 ``qa_by_dataset``; per semblend system ``_recompute_check_span_limit`` (resolved). 13: options
 carry ``answers_only`` (``--answers-only``: no ``prefix`` or ``exact_same_length`` records, no
-``reference_logprobs``)."""
+``reference_logprobs``). 14: semblend systems' records carry ``copy_ms`` (the donor K/V copy's
+part of ``hook_ms``); summary rows ``_hit_hook_ms`` and ``_hit_copy_ms`` (medians over the
+materialized probes)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

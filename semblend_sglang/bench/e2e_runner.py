@@ -74,6 +74,9 @@ class ProbeRecord:
     when the probe reached no check layer."""
     hook_ms: float | None = None
     """Semblend servers: the scheduler's time in semblend's hooks during the probe."""
+    copy_ms: float | None = None
+    """Semblend servers: the part of ``hook_ms`` spent copying donor K/V into the probe's
+    slots (the rotation included)."""
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
@@ -100,12 +103,15 @@ class ProbeRecord:
             self.gold = GoldAnswer.from_json(self.gold)
 
 
-def hook_ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
-    """Milliseconds the server's schedulers spent in semblend's hooks between two
-    ``/semblend/snapshot`` totals; None when either is None (a vanilla server)."""
+def ms_delta(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, key: str = "hook_seconds"
+) -> float | None:
+    """Milliseconds the seconds counter ``key`` grew between two ``/semblend/snapshot`` totals
+    (``hook_seconds``: the schedulers' time in semblend's hooks; ``copy_seconds``: their donor
+    K/V copies, part of it); None when either is None (a vanilla server)."""
     if before is None or after is None:
         return None
-    return 1000.0 * (float(after.get("hook_seconds", 0.0)) - float(before.get("hook_seconds", 0.0)))
+    return 1000.0 * (float(after.get(key, 0.0)) - float(before.get(key, 0.0)))
 
 
 def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str) -> int:
@@ -299,7 +305,8 @@ class Runner:
                 reused_tokens=reused,
                 recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
                 residual_deviation=residual_delta(before, after),
-                hook_ms=hook_ms_delta(before, after),
+                hook_ms=ms_delta(before, after),
+                copy_ms=ms_delta(before, after, "copy_seconds"),
             )
             self.progress(1)
             if probe.reference_ids and self._reads_reference(repeat):

@@ -191,6 +191,9 @@ def _system_columns(
     out: dict[str, Any] = {}
     hits = [r for r in probes if r.outcome == "materialized"]
     out[f"{system}_hit_rate"] = len(hits) / len(probes)
+    for name in ("hook_ms", "copy_ms"):
+        values = [v for r in hits if (v := getattr(r, name)) is not None]
+        out[f"{system}_hit_{name}"] = percentile(values, 50) if values else None
     reused = sum(r.reused_tokens or 0 for r in probes)
     out[f"{system}_reused_fraction"] = reused / max(1, sum(r.prompt_tokens for r in probes))
     probes = [r for r in probes if r.repeat == 0]  # counts and quality: the decoding repeat
@@ -290,7 +293,8 @@ def summarize(
     :data:`RECOMPUTE_SETTINGS` as ``_{setting}``, ``_gate_declines`` (probes the quality gate
     declined), ``_recomputed_tokens`` (reused positions recomputed, summed),
     ``_recompute_share`` (of reused + recomputed tokens; None when both are 0), ``_hit_rate``,
-    ``_reused_fraction``,
+    ``_hit_hook_ms`` and ``_hit_copy_ms`` (medians over the materialized probes, every repeat;
+    None without them), ``_reused_fraction``,
     ``_ppl_ratio`` (median; ``_max``), ``_greedy_agreement``, ``_rouge_l`` against the vanilla
     cold run of the same probe (and ``_greedy_agreement_hits``, ``_rouge_l_hits``: over the
     probes the server materialized only), ``_divergent_hits`` (materialized probes whose first

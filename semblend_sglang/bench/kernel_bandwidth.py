@@ -26,7 +26,9 @@ from semblend_sglang.kernels import RopeSpec, transfer_kv_sglang
 from .metrics import percentile
 from .report import cpu_model, write_json
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+"""The cache dtypes ``--dtypes`` may name."""
+DEFAULT_DTYPES = "float16,bfloat16"
 
 
 def _sync(device: torch.device) -> None:
@@ -140,6 +142,12 @@ def run_one(
     help="Timed rounds (default: 20 on CUDA, 5 on CPU); the median per variant is reported.",
 )
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
+@click.option(
+    "--dtypes",
+    default=DEFAULT_DTYPES,
+    show_default=True,
+    help=f"Comma-separated cache dtypes, of {', '.join(DTYPES)} (float32: a CPU server's cache).",
+)
 def command(
     json_path: str | None,
     layers: int,
@@ -148,9 +156,16 @@ def command(
     tokens: int,
     iters: int | None,
     device: str | None,
+    dtypes: str,
 ) -> None:
     """Bytes moved per second by transfer_kv_sglang, by its torch reference and by a plain
     torch copy (the copy bound)."""
+    names = [name.strip() for name in dtypes.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown or not names:
+        raise click.BadParameter(
+            f"{dtypes!r}: expected names of {', '.join(DTYPES)}", param_hint="--dtypes"
+        )
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = dev.type != "cuda"
     n_iters = iters or (5 if cpu else 20)
@@ -172,8 +187,8 @@ def command(
     )
     header += f"{'reference ms':>14}{'reference GB/s':>16}{'speedup':>9}"
     click.echo(header)
-    for name, dtype in DTYPES.items():
-        r = run_one(dtype, layers, heads, head_dim, tokens, n_iters, dev)
+    for name in names:
+        r = run_one(DTYPES[name], layers, heads, head_dim, tokens, n_iters, dev)
         results["dtypes"][name] = r
         line = (
             f"{name:<10}{r['bytes_moved'] / 1e6:>10.0f}{r['transfer_s'] * 1e3:>13.1f}"
