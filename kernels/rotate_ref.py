@@ -25,9 +25,9 @@ def rotation_cos_sin(deltas: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor
 
     Every torch rotation path takes its tables from here. Evaluated per token, a few thousand
     angles reach MKL's multithreaded ``vmsCos``/``vmsSin``, whose worker thread has returned
-    values ~5e-5 off for its share of the rows, so equal angles were rotated differently in
-    one call and the next. A span's tokens share one delta: the distinct angles are few, and
-    their cos/sin run on the calling thread.
+    other values for its share of the rows than the calling thread for the same angles
+    (docs/kernels.md, "Why once per distinct delta"). A span's tokens share one delta: the
+    distinct angles are few, and their cos/sin run on the calling thread.
     """
     unique, inverse = torch.unique(deltas, return_inverse=True)
     angles = rotation_angles(unique, spec)

@@ -97,6 +97,7 @@ def test_server_client_answer_and_reference_logprobs(url: str, state: ServerStat
         "reused_tokens": 0,
         "recomputed_tokens": 0,
         "hook_seconds": pytest.approx(0.001),
+        "copy_seconds": 0.0,  # two declines: nothing copied
     }
 
 
@@ -140,6 +141,7 @@ def test_snapshot_and_health(url: str, state: ServerState) -> None:
         "reused_tokens": 0,
         "recomputed_tokens": 0,
         "hook_seconds": 0.0,
+        "copy_seconds": 0.0,
     }
     assert health_generate(url) is True
     assert health_generate("http://127.0.0.1:1", timeout=2.0) is False  # nothing listens

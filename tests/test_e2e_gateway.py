@@ -9,7 +9,6 @@ which instance served a request is SMG's ``x-smg-routed-worker-id`` answer heade
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,19 +84,17 @@ def test_a_taken_gateway_port_starts_smg_again_on_another(
     """SMG given a port another socket holds exits naming it; start_gateway starts it again on
     another port, routes through it, and keeps the failed start's output in the log."""
     import semblend_sglang.server as server_module
+    from tests.harness.server import taken_port
 
     urls = [s.url for s in instances]
     real_free_port = server_module.free_port
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        taken_port = taken.getsockname()[1]
-        given = iter([taken_port])
+    with taken_port() as port:
+        given = iter([port])
         monkeypatch.setattr(server_module, "free_port", lambda: next(given, 0) or real_free_port())
         log = tmp_path / "taken.log"
         gateway = start_gateway(urls, GATEWAY_POLICY["round_robin"], log)
         try:
-            assert not gateway.url.endswith(f":{taken_port}")
+            assert not gateway.url.endswith(f":{port}")
             assert gateway.process.poll() is None
             _, request = sending_order(workload)[0]
             sent = send(gateway.url, request, urls)
@@ -105,7 +102,7 @@ def test_a_taken_gateway_port_starts_smg_again_on_another(
         finally:
             gateway.stop()
     text = log.read_text(errors="replace")
-    assert f"127.0.0.1:{taken_port}: {GATEWAY_BIND_FAILURE}" in text, text[-2000:]
+    assert f"127.0.0.1:{port}: {GATEWAY_BIND_FAILURE}" in text, text[-2000:]
 
 
 def test_a_failure_other_than_a_taken_port_is_not_retried(tmp_path: Path) -> None:

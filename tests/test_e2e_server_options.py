@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.server import ServerError, ServerSpec, SglangServer, free_port
-from tests.harness.server import generate, healthy_server
+from tests.harness.server import generate, healthy_server, taken_port
 
 pytestmark = pytest.mark.e2e
 
@@ -168,15 +168,10 @@ def test_a_taken_port_fails_fast_and_only_its_server_starts_again_on_another(
     PortInUseError from its log (each wait is cut to 120 s, so a start that waited it out would
     raise ServerError and fail the test) and starts it again on another port; the second, on
     its own port, is started once and kept. Three starts; both serve."""
-    import socket
-
     import semblend_sglang.server as server_module
 
     logs = tmp_path_factory.mktemp("port-taken")
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        taken = int(holder.getsockname()[1])
+    with taken_port() as taken:
         fresh = [free_port(), free_port()]
         handed = iter([taken, *fresh])
         monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(handed))

@@ -1,10 +1,11 @@
-"""The real SGLang server for end-to-end tests: started on a free port, healthy, stopped; and
-the tests' requests to it (one non-streamed ``POST /generate``, semblend's snapshot counters and
-its ``/metrics`` series)."""
+"""The real SGLang server for end-to-end tests: started on a free port, healthy, stopped; the
+tests' requests to it (one non-streamed ``POST /generate``, semblend's snapshot counters and
+its ``/metrics`` series); and a port held taken, for the tests of a start on a taken port."""
 
 from __future__ import annotations
 
 import re
+import socket
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -13,6 +14,17 @@ from typing import Any
 
 from semblend_sglang.bench.client import semblend_snapshot
 from semblend_sglang.server import ServerSpec, SglangServer, http_json, start_healthy
+
+
+@contextmanager
+def taken_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port on ``host`` that a listening socket holds until the block ends: a server handed it
+    fails to bind it, as when another process took a port chosen free."""
+    with socket.socket() as holder:
+        holder.bind((host, 0))
+        holder.listen()
+        yield int(holder.getsockname()[1])
+
 
 HEALTHY_WITHIN_S = 600.0
 """How long a test server may take to load and answer ``/health`` (a loaded 2-core CI box)."""
