@@ -52,8 +52,9 @@ def test_outcome_delta_names_the_one_outcome_a_request_added() -> None:
 
 
 def test_hook_time_delta_between_snapshots() -> None:
-    assert ms_delta({"hook_seconds": 0.5}, {"hook_seconds": 0.5015}) == pytest.approx(1.5)
-    assert ms_delta(None, {"hook_seconds": 1.0}) is None
+    hook = ({"hook_seconds": 0.5}, {"hook_seconds": 0.5015})
+    assert ms_delta(*hook, "hook_seconds") == pytest.approx(1.5)
+    assert ms_delta(None, {"hook_seconds": 1.0}, "hook_seconds") is None
     copies = (
         {"hook_seconds": 1.0, "copy_seconds": 0.25},
         {"hook_seconds": 2.0, "copy_seconds": 0.5},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.time_budget import BUDGETS_S, DEFAULT_BUDGET_S, budget_s, slowest
+from tests.time_budget import BUDGETS_S, DEFAULT_BUDGET_S, budget_s, by_file, slowest
 
 pytest_plugins = ["pytester"]
 
@@ -13,6 +13,11 @@ pytest_plugins = ["pytester"]
 def test_slowest_sorts_longest_first_and_keeps_n() -> None:
     times = {"a": 1.0, "b": 3.0, "c": 2.0}
     assert slowest(times, 2) == [("b", 3.0), ("c", 2.0)]
+
+
+def test_by_file_sums_each_files_tests_longest_first() -> None:
+    times = {"t/a.py::x": 1.0, "t/b.py::y[1]": 2.5, "t/a.py::z": 2.0, "t/c.py::w": 0.5}
+    assert by_file(times, 2) == [("t/a.py", 3.0, 2), ("t/b.py", 2.5, 1)]
 
 
 def test_budget_is_per_cpu_kind_and_the_largest_elsewhere() -> None:
@@ -35,7 +40,16 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
 def test_a_suite_over_budget_fails_only_when_asked(suite: pytest.Pytester) -> None:
     asked = suite.runpytest_subprocess("-p", "tests.time_budget", "--slowest-budget")
     assert asked.ret == pytest.ExitCode.TESTS_FAILED
-    asked.stdout.fnmatch_lines(["*2 slowest tests*", "*test_slow*", "*FAILED time budget*"])
+    asked.stdout.fnmatch_lines(
+        [
+            "*2 slowest tests*",
+            "*test_slow*",
+            "*1 slowest test files*",
+            "*2 tests*test_a_suite*.py",
+            "*every test of the run (2 tests)",
+            "*FAILED time budget*",
+        ]
+    )
     plain = suite.runpytest_subprocess("-p", "tests.time_budget")
     assert plain.ret == pytest.ExitCode.OK
     plain.stdout.fnmatch_lines(["*in all (budget 0 s*"])

@@ -2,11 +2,12 @@
 
 ``make test`` loads it (``-p tests.time_budget``) and passes ``--slowest-budget``: after the run
 it prints the :data:`SLOWEST` slowest tests (setup, call and teardown together, so a
-module-scoped server's start counts for the test that started it) and their total, and fails the
-run when the total is over :data:`BUDGET_S`, the budget of this machine's CPU kind. The budgets
-and the quiet measurements behind them are in docs/perf.md ("CI wall time"); raise one only
-together with that table, so that a suite that grows is seen when it grows. Without the option
-it only prints.
+module-scoped server's start counts for the test that started it) and their total, then the
+:data:`FILES` test files that took longest (where a whole run's time goes), and fails the
+run when the slowest tests' total is over :data:`BUDGET_S`, the budget of this machine's CPU
+kind. The budgets and the quiet measurements behind them are in docs/perf.md ("CI wall time");
+raise one only together with that table, so that a suite that grows is seen when it grows.
+Without the option it only prints.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import pytest
 from semblend_sglang.bench.report import cpu_model
 
 SLOWEST = 20
+FILES = 15
 
-BUDGETS_S = {"Intel(R) Xeon(R) Processor": 2300.0}
+BUDGETS_S = {
+    "Intel(R) Xeon(R) Processor": 2300.0,
+    "Intel(R) Xeon(R) Processor @ 2.80GHz": 2120.0,
+}
 """Seconds the :data:`SLOWEST` slowest tests may take together on a machine kind, keyed by its
 CPU model name exactly as ``/proc/cpuinfo`` gives it: the total measured quietly on that kind
 plus about a third (docs/perf.md, "CI wall time")."""
@@ -61,6 +66,19 @@ def slowest(durations: dict[str, float], n: int = SLOWEST) -> list[tuple[str, fl
     return sorted(durations.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
+def by_file(durations: dict[str, float], n: int = FILES) -> list[tuple[str, float, int]]:
+    """The ``n`` test files whose tests took longest together: (file, seconds, tests), longest
+    first."""
+    seconds: defaultdict[str, float] = defaultdict(float)
+    tests: defaultdict[str, int] = defaultdict(int)
+    for nodeid, s in durations.items():
+        path = nodeid.split("::", 1)[0]
+        seconds[path] += s
+        tests[path] += 1
+    order = sorted(seconds, key=lambda path: (-seconds[path], path))[:n]
+    return [(path, seconds[path], tests[path]) for path in order]
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session when ``--slowest-budget`` is given and the total is over budget."""
     total = sum(s for _, s in slowest(_durations))
@@ -81,5 +99,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         write(f"{seconds:8.1f} s  {nodeid}")
     total = sum(s for _, s in top)
     write(f"{total:8.1f} s  in all (budget {BUDGET_S:.0f} s on {CPU}, tests/time_budget.py)")
+    files = by_file(_durations)
+    terminalreporter.section(f"{len(files)} slowest test files (every test's phases summed)")
+    for path, seconds, tests in files:
+        write(f"{seconds:8.1f} s  {tests:4d} tests  {path}")
+    write(f"{sum(_durations.values()):8.1f} s  every test of the run ({len(_durations)} tests)")
     for line in _over:
         write(f"FAILED time budget: {line}", red=True)

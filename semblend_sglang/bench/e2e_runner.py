@@ -103,9 +103,7 @@ class ProbeRecord:
             self.gold = GoldAnswer.from_json(self.gold)
 
 
-def ms_delta(
-    before: dict[str, Any] | None, after: dict[str, Any] | None, key: str = "hook_seconds"
-) -> float | None:
+def ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str) -> float | None:
     """Milliseconds the seconds counter ``key`` grew between two ``/semblend/snapshot`` totals
     (``hook_seconds``: the schedulers' time in semblend's hooks; ``copy_seconds``: their donor
     K/V copies, part of it); None when either is None (a vanilla server)."""
@@ -305,7 +303,7 @@ class Runner:
                 reused_tokens=reused,
                 recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
                 residual_deviation=residual_delta(before, after),
-                hook_ms=ms_delta(before, after),
+                hook_ms=ms_delta(before, after, "hook_seconds"),
                 copy_ms=ms_delta(before, after, "copy_seconds"),
             )
             self.progress(1)
