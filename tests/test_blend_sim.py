@@ -1,6 +1,7 @@
 """``bench blend-sim`` (semblend_sglang/bench/blend_sim.py): its float32 forward against
-transformers' on the real SmolLM2 weights and real text, and its recompute simulation against
-the cold prefill it must equal when nothing or everything is recomputed."""
+transformers' on the real SmolLM2 weights and real text (and on a random Qwen2 model with q/k/v
+biases), and its recompute simulation against the cold prefill it must equal when nothing or
+everything is recomputed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from semblend_sglang.bench.blend_sim import (
 )
 from semblend_sglang.bench.builtin_workloads import build_workload
 from semblend_sglang.data import essay_texts
+from tests.harness.random_models import SHAPES, build_random_model
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +86,24 @@ def test_blended_prefill_with_another_donor_changes_only_the_layers_after_the_ch
     assert not torch.allclose(last, cold.hidden[-1][-1], atol=1e-3)
 
 
+def test_qwen2_with_qkv_biases_matches_transformers(
+    prompt: list[int], smollm2_model_dir: Path
+) -> None:
+    from semblend_sglang.cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from transformers import AutoModelForCausalLM
+
+    folder = build_random_model(SHAPES["qwen2_theta1e6"], smollm2_model_dir)
+    reference = LlamaReference(folder)
+    assert "model.layers.0.self_attn.q_proj.bias" in reference.w  # the biases are exercised
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    got = reference.logits(reference.prefill(prompt).hidden[-1])
+    assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4), (got - expected).abs().max()
+
+
 def test_simulate_group_recomputing_everything_is_cold(
     model: LlamaReference, smollm2_tokenizer: Any
 ) -> None:
@@ -115,8 +135,9 @@ def test_reference_refuses_what_it_does_not_model(tmp_path: Path, smollm2_model_
 
     config = json.loads((smollm2_model_dir / "config.json").read_text())
     for change, message in (
-        ({"architectures": ["Olmo2ForCausalLM"]}, "not a LlamaForCausalLM"),
-        ({"attention_bias": True}, "biases are not modelled"),
+        ({"architectures": ["Olmo2ForCausalLM"]}, "not one of"),
+        ({"mlp_bias": True}, "MLP biases are not modelled"),
+        ({"use_sliding_window": True}, "sliding window is not modelled"),
     ):
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):

@@ -1,6 +1,6 @@
 """``bench blend-sim``: which recompute selection keeps the cold answer, measured without a server.
 
-An offline float32 torch forward of a Llama-family checkpoint (:class:`LlamaReference`) runs a
+An offline float32 torch forward of a Llama or Qwen2 checkpoint (:class:`LlamaReference`) runs a
 workload's probe cold, its donors, and then the probe as a recompute would: every position
 computed up to the check layer, after it only the gaps and the selected reused positions, the
 rest attending with their donor's RoPE-corrected K/V (:func:`blended_prefill`, the dense
@@ -47,20 +47,28 @@ class Prefill:
     hidden: list[torch.Tensor]
 
 
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+"""What :class:`LlamaReference` models: the same decoder, Qwen2 with q/k/v biases."""
+
+
 class LlamaReference:
-    """A float32 forward of a ``LlamaForCausalLM`` checkpoint (``config.json`` and
-    ``model.safetensors`` in one folder) whose every layer's K/V can be replaced. Attention is
+    """A float32 forward of a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` checkpoint
+    (``config.json`` and ``model.safetensors`` in one folder) whose every layer's K/V can be
+    replaced. Attention projections use their biases where the checkpoint has them. Attention is
     causal by position over all rows given, so rows may be a subset (a sparse extend). Not fast,
-    not batched; raises ValueError on another architecture or on projection biases."""
+    not batched; raises ValueError on another architecture, MLP biases or a sliding window."""
 
     def __init__(self, model_dir: Path) -> None:
         from safetensors.torch import load_file
 
         config = json.loads((model_dir / "config.json").read_text())
-        if config.get("architectures") != ["LlamaForCausalLM"]:
-            raise ValueError(f"{model_dir}: not a LlamaForCausalLM ({config.get('architectures')})")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ValueError(f"{model_dir}: projection biases are not modelled")
+        architectures = config.get("architectures") or []
+        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+            raise ValueError(f"{model_dir}: not one of {ARCHITECTURES} ({architectures})")
+        if config.get("mlp_bias"):
+            raise ValueError(f"{model_dir}: MLP biases are not modelled")
+        if config.get("use_sliding_window"):
+            raise ValueError(f"{model_dir}: a sliding window is not modelled")
         self.layers = int(config["num_hidden_layers"])
         self.heads = int(config["num_attention_heads"])
         self.kv_heads = int(config["num_key_value_heads"])
@@ -72,6 +80,11 @@ class LlamaReference:
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def _proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        out = x @ self.w[name + ".weight"].T
+        bias = self.w.get(name + ".bias")
+        return out if bias is None else out + bias
 
     def layer(
         self,
@@ -87,10 +100,10 @@ class LlamaReference:
         p = f"model.layers.{index}."
         x = self._norm(hidden, p + "input_layernorm.weight")
         n, d = x.shape[0], self.head_dim
-        q = (x @ self.w[p + "self_attn.q_proj.weight"].T).view(n, self.heads, d)
-        k = (x @ self.w[p + "self_attn.k_proj.weight"].T).view(n, self.kv_heads, d)
+        q = self._proj(x, p + "self_attn.q_proj").view(n, self.heads, d)
+        k = self._proj(x, p + "self_attn.k_proj").view(n, self.kv_heads, d)
         keys[rows] = rotate_fp32(k, positions, self.rope)
-        values[rows] = (x @ self.w[p + "self_attn.v_proj.weight"].T).view(n, self.kv_heads, d)
+        values[rows] = self._proj(x, p + "self_attn.v_proj").view(n, self.kv_heads, d)
         q = rotate_fp32(q, positions, self.rope)
         group = self.heads // self.kv_heads
         kk, vv = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
@@ -98,7 +111,7 @@ class LlamaReference:
         later = torch.arange(keys.shape[0])[None, None, :] > positions[None, :, None]
         attn = scores.masked_fill(later, float("-inf")).softmax(-1)
         out = torch.einsum("hqk,khd->qhd", attn, vv).reshape(n, -1)
-        hidden = hidden + out @ self.w[p + "self_attn.o_proj.weight"].T
+        hidden = hidden + self._proj(out, p + "self_attn.o_proj")
         x = self._norm(hidden, p + "post_attention_layernorm.weight")
         gate = torch.nn.functional.silu(x @ self.w[p + "mlp.gate_proj.weight"].T)
         up = x @ self.w[p + "mlp.up_proj.weight"].T
