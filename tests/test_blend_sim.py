@@ -34,23 +34,31 @@ def prompt(smollm2_tokenizer: Any) -> list[int]:
     return list(ids[:48])
 
 
-def test_forward_and_greedy_match_transformers(
-    model: LlamaReference, prompt: list[int], smollm2_model_dir: Path
-) -> None:
+def _transformers_model(folder: Path) -> Any:
+    """transformers' own float32 model of ``folder``: the reference the forward must equal."""
     from semblend_sglang.cpu_runtime import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _assert_logits_match(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_forward_and_greedy_match_transformers(
+    model: LlamaReference, prompt: list[int], smollm2_model_dir: Path
+) -> None:
+    hf = _transformers_model(smollm2_model_dir)
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
         generated = hf.generate(
             torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2
         )[0, len(prompt) :].tolist()
     cold = model.prefill(prompt)
-    got = model.logits(cold.hidden[-1])
-    assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4), (got - expected).abs().max()
+    _assert_logits_match(model.logits(cold.hidden[-1]), expected)
     tokens, margins = model.greedy(cold.keys, cold.values, cold.hidden[-1][-1], 8)
     assert tokens == generated
     top = expected[-1].topk(2).values
@@ -89,19 +97,12 @@ def test_blended_prefill_with_another_donor_changes_only_the_layers_after_the_ch
 def test_qwen2_with_qkv_biases_matches_transformers(
     prompt: list[int], smollm2_model_dir: Path
 ) -> None:
-    from semblend_sglang.cpu_runtime import ensure_torchvision_importable
-
-    ensure_torchvision_importable()
-    from transformers import AutoModelForCausalLM
-
     folder = build_random_model(SHAPES["qwen2_theta1e6"], smollm2_model_dir)
     reference = LlamaReference(folder)
     assert "model.layers.0.self_attn.q_proj.bias" in reference.w  # the biases are exercised
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = hf(torch.tensor([prompt])).logits[0]
-    got = reference.logits(reference.prefill(prompt).hidden[-1])
-    assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4), (got - expected).abs().max()
+        expected = _transformers_model(folder)(torch.tensor([prompt])).logits[0]
+    _assert_logits_match(reference.logits(reference.prefill(prompt).hidden[-1]), expected)
 
 
 def test_simulate_group_recomputing_everything_is_cold(
