@@ -37,6 +37,14 @@ GONE_WITHIN_S = 30.0
 be gone (the handler gives the servers 5 s to stop, then kills their groups)."""
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    """``preexec_fn`` of every process these tests signal: SIGINT back to its default, as a
+    terminal's Ctrl-C finds it. Ignored SIGINT is inherited through exec, and the suite may run as
+    a shell's background job (SIGINT ignored), where every SIGINT test here would wait out
+    :data:`GONE_WITHIN_S`; the ignored case has its own test ("ignore-int")."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _members(groups: Sequence[int]) -> list[int]:
     """Pids of live processes (zombies excluded) whose process group is one of ``groups``."""
     out = []
@@ -159,6 +167,7 @@ def _stand_in(mode: str) -> Iterator[Tree]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_as_a_terminal_gives_it,
     )
     groups: list[int] = []
     with _cleanup(groups, parent):
@@ -284,7 +293,14 @@ def _signal_when_up(
     its output."""
     log = cwd / "command.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_sigint_as_a_terminal_gives_it,
+        )
     groups: list[int] = []
     with _cleanup(groups, proc):
         ready = _loading if not healthy else _healthy
