@@ -20,6 +20,7 @@ from semblend_sglang.bench.blend_sim import (
 )
 from semblend_sglang.bench.builtin_workloads import build_workload
 from semblend_sglang.data import essay_texts
+from semblend_sglang.kernels.rotate_ref import rotate_fp32
 from tests.harness.random_models import SHAPES, build_random_model
 
 
@@ -71,8 +72,8 @@ def test_blended_prefill_is_cold_when_the_kept_kv_is_the_prompts_own(
 ) -> None:
     cold = model.prefill(prompt)
     kept = torch.arange(4, 30)
-    for check in (0, 1, 5):
-        keys, values, last = blended_prefill(model, cold, cold.keys, cold.values, kept, check)
+    for check in (-1, 0, 1, 5):
+        keys, values, last, _ = blended_prefill(model, cold, cold.keys, cold.values, kept, check)
         assert torch.allclose(last, cold.hidden[-1][-1], atol=1e-4)
         for layer in range(model.layers):
             assert torch.allclose(keys[layer], cold.keys[layer], atol=1e-4)
@@ -86,12 +87,39 @@ def test_blended_prefill_with_another_donor_changes_only_the_layers_after_the_ch
     other = model.prefill(prompt[::-1])  # real token values, another context for every row
     kept = torch.arange(10, 20)
     check = 3
-    keys, _, last = blended_prefill(model, cold, other.keys, other.values, kept, check)
+    keys, _, last, _ = blended_prefill(model, cold, other.keys, other.values, kept, check)
     for layer in range(check + 1):
         assert torch.equal(keys[layer], cold.keys[layer])  # computed densely up to the check
     for layer in range(check + 1, model.layers):
         assert torch.equal(keys[layer][kept], other.keys[layer][kept])
     assert not torch.allclose(last, cold.hidden[-1][-1], atol=1e-3)
+
+
+def test_blended_prefill_adds_up_what_the_tail_attends_to(
+    model: LlamaReference, prompt: list[int]
+) -> None:
+    """The watched tail's attention: a softmax row per layer sums to 1, so the total over every
+    position is the number of layers run; nothing after the tail's last row is attended; the
+    watched rows are the last computed ones, so the first layer's total equals that layer's
+    attention computed by hand from the cold K."""
+    cold = model.prefill(prompt)
+    n = len(prompt)
+    kept = torch.arange(5, 15)
+    check = 2
+    *_, paid = blended_prefill(model, cold, cold.keys, cold.values, kept, check, watch_tail=4)
+    assert paid.shape == (n,)
+    assert float(paid.sum()) == pytest.approx(model.layers - check - 1, abs=1e-4)
+    assert bool((paid >= 0).all()) and float(paid[kept].sum()) > 0
+    *_, one_layer = blended_prefill(
+        model, cold, cold.keys, cold.values, kept, model.layers - 2, watch_tail=1
+    )
+    layer = model.layers - 1
+    x = model._norm(cold.hidden[layer][-1:], f"model.layers.{layer}.input_layernorm.weight")
+    q = model._proj(x, f"model.layers.{layer}.self_attn.q_proj").view(1, model.heads, -1)
+    q = rotate_fp32(q, torch.tensor([n - 1]), model.rope)
+    k = cold.keys[layer].repeat_interleave(model.heads // model.kv_heads, 1)
+    by_hand = torch.einsum("qhd,khd->hk", q, k).div(model.head_dim**0.5).softmax(-1).mean(0)
+    assert torch.allclose(one_layer, by_hand, atol=1e-5)
 
 
 def test_qwen2_with_qkv_biases_matches_transformers(
@@ -121,10 +149,14 @@ def test_simulate_group_recomputing_everything_is_cold(
         ("deviation@2", 0.0),
         ("deep@2", 1.0),
         ("deep@2", 0.0),
+        ("question@2", 1.0),
+        ("question@2", 0.0),
+        ("question", 1.0),
+        ("question", 0.0),
     ]
     assert all(agree == 1.0 for _, ratio, agree in results if ratio == 1.0)
-    zero = {agree for _, ratio, agree in results if ratio == 0.0}
-    assert len(zero) == 1  # nothing recomputed: the selection cannot matter
+    zero = {agree for name, ratio, agree in results if ratio == 0.0 and name != "question"}
+    assert len(zero) == 1  # nothing recomputed after the same check: the selection cannot matter
     with pytest.raises(ValueError, match="missing"):
         simulate_group(model, probe, donors, [(7, 7, 7, 7)], ratios=[0.5], check_layers=[1])
     with pytest.raises(ValueError, match="check layers"):
@@ -155,6 +187,8 @@ def test_reference_refuses_what_it_does_not_model(tmp_path: Path, smollm2_model_
         (["--workloads", "rag,control"], "--workloads", "not a workload with donors: ['control']"),
         (["--lengths", "12"], "--lengths", "'12' is not a context length"),
         (["--groups", "0"], "--groups", "0 is not in the range"),
+        (["--groups", "3", "--only", "1,3"], "--only", "'3' is not a group index (0 to 2)"),
+        (["--only", "first"], "--only", "'first' is not a group index (0 to 1)"),
     ],
 )
 def test_a_malformed_flag_is_one_usage_error_naming_it(
@@ -175,3 +209,18 @@ def test_a_check_layer_beyond_the_model_is_a_usage_error(smollm2_model_dir: Path
     assert result.exit_code == 2, result.output
     assert f"'{depth}' is not a layer of the model (0 to {depth - 1})" in result.output
     assert "--check-layers" in result.output and "| workload |" not in result.output
+
+
+def test_only_simulates_the_groups_named_with_every_selection(
+    smollm2_model_dir: Path, tmp_path: Path
+) -> None:
+    """``--only 1`` of three groups: the rows of group 1 only, one per selection (a random Qwen2,
+    so only the table's shape is asserted)."""
+    folder = build_random_model(SHAPES["qwen2_theta1e6"], smollm2_model_dir, tmp_path)
+    args = ["--workloads", "rag", "--lengths", "256", "--groups", "3", "--only", "1"]
+    args += ["--ratios", "0.5", "--check-layers", "1", "--model-path", str(folder)]
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 0, result.output
+    rows = [line.split(" | ") for line in result.output.splitlines() if "| rag |" in line]
+    assert {row[2] for row in rows} == {"rag-256-001"}, result.output
+    assert [row[4] for row in rows] == ["deviation@1", "deep@1", "question@1", "question"]

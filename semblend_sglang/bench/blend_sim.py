@@ -13,6 +13,13 @@ ratio, the 32-token greedy agreement with cold:
   cold prefill knows (what a check at every layer would see): whether the check layer's signal
   is too shallow. It is not an optimum: the positions that change the answer most need not be
   the ones whose K/V deviate most.
+- ``question``: the top ratio by the attention the prompt's last
+  :data:`~semblend_sglang.recompute.QUERY_TAIL_TOKENS` positions pay each reused position,
+  summed over every layer and head, in a first pass where every reused position keeps its
+  donor's K/V (the pass costs what reuse without repair costs: only the other positions are
+  computed); the chosen positions are then recomputed from layer 0 (a second pass; QCFuse- and
+  ProphetKV-like, scored before the forward that repairs). ``question@c``: the same ranking,
+  recomputed after check layer ``c`` as ``deviation@c`` is (the two rankings side by side).
 
 Reused positions are each shared passage of the group (``RequestGroup.shared_spans``) found in
 the probe and in the first donor that has it. Measurement only: nothing in serving imports it.
@@ -35,6 +42,16 @@ from semblend_sglang.kernels.rotate_ref import rotate_fp32
 
 from .e2e_runner import GREEDY_TOKENS
 from .metrics import greedy_agreement
+
+
+@dataclass
+class AttentionWatch:
+    """Attention paid by some computed rows, added up across layers: ``rows`` index the rows
+    given to :meth:`LlamaReference.layer`; ``total`` [all rows] gains, per layer, their softmax
+    attention to each row averaged over those rows and the query heads."""
+
+    rows: torch.Tensor
+    total: torch.Tensor
 
 
 @dataclass
@@ -94,9 +111,11 @@ class LlamaReference:
         rows: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
+        watch: AttentionWatch | None = None,
     ) -> torch.Tensor:
         """Layer ``index`` for ``hidden`` (the rows ``rows`` at ``positions``): writes their K/V
-        into ``keys``/``values`` (all rows, row i at position i), attends over all of them."""
+        into ``keys``/``values`` (all rows, row i at position i), attends over all of them; adds
+        the attention of ``watch.rows`` into ``watch.total``."""
         p = f"model.layers.{index}."
         x = self._norm(hidden, p + "input_layernorm.weight")
         n, d = x.shape[0], self.head_dim
@@ -110,6 +129,8 @@ class LlamaReference:
         scores = torch.einsum("qhd,khd->hqk", q, kk) / math.sqrt(d)
         later = torch.arange(keys.shape[0])[None, None, :] > positions[None, :, None]
         attn = scores.masked_fill(later, float("-inf")).softmax(-1)
+        if watch is not None:
+            watch.total += attn[:, watch.rows].mean(dim=(0, 1))
         out = torch.einsum("hqk,khd->qhd", attn, vv).reshape(n, -1)
         hidden = hidden + self._proj(out, p + "self_attn.o_proj")
         x = self._norm(hidden, p + "post_attention_layernorm.weight")
@@ -173,12 +194,15 @@ def blended_prefill(
     donor_values: list[torch.Tensor],
     keep_donor: torch.Tensor,
     check_layer: int,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    watch_tail: int = 0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The prompt of ``cold`` as a recompute runs it: cold through ``check_layer`` (every
-    position computed there), then the positions ``keep_donor`` keep the donor's K/V (rows of
-    ``donor_keys``/``donor_values``, RoPE-corrected to the prompt's positions) and only the
-    others are computed. Returns the per-layer K/V and the last position's final hidden state
-    (the last position must not be in ``keep_donor``)."""
+    position computed there; -1: none), then the positions ``keep_donor`` keep the donor's K/V
+    (rows of ``donor_keys``/``donor_values``, RoPE-corrected to the prompt's positions) and only
+    the others are computed. Returns the per-layer K/V, the last position's final hidden state
+    (the last position must not be in ``keep_donor``) and the attention the last ``watch_tail``
+    computed positions pay every position, summed over the layers after ``check_layer``
+    (:class:`AttentionWatch`; zeros when ``watch_tail`` is 0)."""
     n = cold.keys[0].shape[0]
     computed = torch.ones(n, dtype=torch.bool)
     computed[keep_donor] = False
@@ -186,11 +210,13 @@ def blended_prefill(
     keys = [k.clone() for k in cold.keys]
     values = [v.clone() for v in cold.values]
     hidden = cold.hidden[check_layer + 1][rows]
+    tail = torch.arange(max(0, rows.numel() - watch_tail), rows.numel())
+    watch = AttentionWatch(tail, torch.zeros(n)) if watch_tail > 0 else None
     for index in range(check_layer + 1, model.layers):
         keys[index][keep_donor] = donor_keys[index][keep_donor]
         values[index][keep_donor] = donor_values[index][keep_donor]
-        hidden = model.layer(index, hidden, rows, rows, keys[index], values[index])
-    return keys, values, hidden[-1]
+        hidden = model.layer(index, hidden, rows, rows, keys[index], values[index], watch)
+    return keys, values, hidden[-1], watch.total if watch is not None else torch.zeros(n)
 
 
 def _find(haystack: Sequence[int], needle: Sequence[int]) -> int | None:
@@ -252,22 +278,27 @@ def simulate_group(
         )
         for i in range(model.layers)
     ]
-    results = []
+    *_, paid = blended_prefill(
+        model, cold, donor_keys, donor_values, positions, -1, recompute.QUERY_TAIL_TOKENS
+    )
+    selections: list[tuple[str, torch.Tensor, int]] = []
     for check in check_layers:
-        scores = {
-            f"deviation@{check}": deviation[check],
-            f"deep@{check}": sum(deviation[check + 1 :], torch.zeros(len(positions))),
-        }
-        for name, score in scores.items():
-            for ratio in ratios:
-                chosen = recompute.top(score, recompute.budget(len(positions), ratio))
-                kept = torch.ones(len(positions), dtype=torch.bool)
-                kept[chosen] = False
-                keys, values, last = blended_prefill(
-                    model, cold, donor_keys, donor_values, positions[kept], check
-                )
-                tokens, _ = model.greedy(keys, values, last, GREEDY_TOKENS)
-                results.append((name, ratio, greedy_agreement(tokens, answer, GREEDY_TOKENS)))
+        selections.append((f"deviation@{check}", deviation[check], check))
+        deep = sum(deviation[check + 1 :], torch.zeros(len(positions)))
+        selections.append((f"deep@{check}", deep, check))
+        selections.append((f"question@{check}", paid[positions], check))
+    selections.append(("question", paid[positions], -1))
+    results = []
+    for name, score, start in selections:
+        for ratio in ratios:
+            chosen = recompute.top(score, recompute.budget(len(positions), ratio))
+            kept = torch.ones(len(positions), dtype=torch.bool)
+            kept[chosen] = False
+            keys, values, last, _ = blended_prefill(
+                model, cold, donor_keys, donor_values, positions[kept], start
+            )
+            tokens, _ = model.greedy(keys, values, last, GREEDY_TOKENS)
+            results.append((name, ratio, greedy_agreement(tokens, answer, GREEDY_TOKENS)))
     return margins, results
 
 
@@ -302,6 +333,23 @@ def parse_check_layers(text: str, layers: int | None = None) -> list[int]:
     return parse_comma_list(text, "--check-layers", layer, f"a layer of the model ({bound})")
 
 
+def parse_group_indices(text: str, groups: int) -> set[int]:
+    """``--only``: comma-separated group indices in ``[0, groups)``; empty: every group.
+    Raises :class:`click.BadParameter` naming the option for anything else."""
+    from .e2e import parse_comma_list
+
+    if not text.strip():
+        return set()
+
+    def index(part: str) -> int:
+        value = int(part)
+        if not 0 <= value < groups:
+            raise ValueError(part)
+        return value
+
+    return set(parse_comma_list(text, "--only", index, f"a group index (0 to {groups - 1})"))
+
+
 def parse_workloads(text: str) -> list[str]:
     """``--workloads``: comma-separated built-in workloads that have donors (not ``control``).
     Raises :class:`click.BadParameter` naming the option for anything else."""
@@ -320,7 +368,12 @@ def parse_workloads(text: str) -> list[str]:
 @click.command("blend-sim")
 @click.option("--workloads", default="rag,rag_corpus", show_default=True)
 @click.option("--lengths", default="2048", show_default=True)
-@click.option("--groups", default=2, show_default=True, type=click.IntRange(1, 50))
+@click.option("--groups", default=2, show_default=True, type=click.IntRange(1, 200))
+@click.option(
+    "--only",
+    default="",
+    help="comma-separated group indices (0-based) of the GROUPS built to simulate; default all",
+)
 @click.option("--ratios", default="0.15,0.3,0.5,0.7,0.9", show_default=True)
 @click.option("--check-layers", default="1", show_default=True)
 @click.option("--model-path", type=click.Path(path_type=Path), default=None)
@@ -328,6 +381,7 @@ def command(
     workloads: str,
     lengths: str,
     groups: int,
+    only: str,
     ratios: str,
     check_layers: str,
     model_path: Path | None,
@@ -349,6 +403,7 @@ def command(
     contexts = parse_lengths(lengths)
     names = parse_workloads(workloads)
     wanted = parse_ratios(ratios)
+    chosen = parse_group_indices(only, groups)
     parse_check_layers(check_layers)
     path = model_path or Path(prepare_model())
     model = LlamaReference(path)
@@ -363,7 +418,9 @@ def command(
     for name in names:
         for length in contexts:
             built = build_workload(name, tok, essay_texts(), length, groups, 0)
-            for group in built.groups:
+            for index, group in enumerate(built.groups):
+                if chosen and index not in chosen:
+                    continue
                 probe = group.probes[0].prompt_ids
                 donors = [d.prompt_ids for d in group.donors]
                 margins, results = simulate_group(
