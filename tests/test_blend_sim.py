@@ -17,6 +17,7 @@ from semblend_sglang.bench.blend_sim import (
     blended_prefill,
     command,
     simulate_group,
+    windowed,
 )
 from semblend_sglang.bench.builtin_workloads import build_workload
 from semblend_sglang.data import essay_texts
@@ -151,11 +152,14 @@ def test_simulate_group_recomputing_everything_is_cold(
         ("deep@2", 0.0),
         ("question@2", 1.0),
         ("question@2", 0.0),
+        ("window@2", 1.0),
+        ("window@2", 0.0),
         ("question", 1.0),
         ("question", 0.0),
     ]
     assert all(agree == 1.0 for _, ratio, agree in results if ratio == 1.0)
-    zero = {agree for name, ratio, agree in results if ratio == 0.0 and name != "question"}
+    after_check = ("deviation@2", "deep@2", "question@2")
+    zero = {agree for name, ratio, agree in results if ratio == 0.0 and name in after_check}
     assert len(zero) == 1  # nothing recomputed after the same check: the selection cannot matter
     with pytest.raises(ValueError, match="missing"):
         simulate_group(model, probe, donors, [(7, 7, 7, 7)], ratios=[0.5], check_layers=[1])
@@ -223,4 +227,13 @@ def test_only_simulates_the_groups_named_with_every_selection(
     assert result.exit_code == 0, result.output
     rows = [line.split(" | ") for line in result.output.splitlines() if "| rag |" in line]
     assert {row[2] for row in rows} == {"rag-256-001"}, result.output
-    assert [row[4] for row in rows] == ["deviation@1", "deep@1", "question@1", "question"]
+    expected = ["deviation@1", "deep@1", "question@1", "window@1", "question"]
+    assert [row[4] for row in rows] == expected
+
+
+def test_windowed_ranks_whole_windows_by_their_sampled_position() -> None:
+    score = torch.tensor([0.1, 9.0, 9.0, 0.5, 0.2, 0.0, 0.3])
+    assert windowed(score, 3).tolist() == pytest.approx([0.1] * 3 + [0.5] * 3 + [0.3])
+    from semblend_sglang import recompute
+
+    assert recompute.top(windowed(score, 3), 4).tolist() == [3, 4, 5, 6]

@@ -20,6 +20,11 @@ ratio, the 32-token greedy agreement with cold:
   computed); the chosen positions are then recomputed from layer 0 (a second pass; QCFuse- and
   ProphetKV-like, scored before the forward that repairs). ``question@c``: the same ranking,
   recomputed after check layer ``c`` as ``deviation@c`` is (the two rankings side by side).
+- ``window@c``: the deviation at check layer ``c`` of one reused position in every
+  :data:`WINDOW` (a strided sample: the only positions a check would compute through ``c``),
+  each window ranked by its sampled position's and chosen whole, recomputed from layer 0 (the
+  rest of each window never went through the check): whether a sampled deep check finds the
+  positions the dense one does.
 
 Reused positions are each shared passage of the group (``RequestGroup.shared_spans``) found in
 the probe and in the first donor that has it. Measurement only: nothing in serving imports it.
@@ -42,6 +47,17 @@ from semblend_sglang.kernels.rotate_ref import rotate_fp32
 
 from .e2e_runner import GREEDY_TOKENS
 from .metrics import greedy_agreement
+
+WINDOW = 8
+"""``window@c``: reused positions per sampled one (the check's sample is 1 in ``WINDOW``)."""
+
+
+def windowed(score: torch.Tensor, window: int) -> torch.Tensor:
+    """Each position's score replaced by the score of the first position of its ``window``
+    (positions ``0, window, 2 * window, ...`` are the sample), so :func:`recompute.top` takes
+    windows whole, in order of their sampled score."""
+    sampled = torch.arange(score.numel()) // window * window
+    return score[sampled]
 
 
 @dataclass
@@ -287,6 +303,7 @@ def simulate_group(
         deep = sum(deviation[check + 1 :], torch.zeros(len(positions)))
         selections.append((f"deep@{check}", deep, check))
         selections.append((f"question@{check}", paid[positions], check))
+        selections.append((f"window@{check}", windowed(deviation[check], WINDOW), -1))
     selections.append(("question", paid[positions], -1))
     results = []
     for name, score, start in selections:
