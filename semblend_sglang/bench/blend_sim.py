@@ -14,17 +14,11 @@ ratio, the 32-token greedy agreement with cold:
   is too shallow. It is not an optimum: the positions that change the answer most need not be
   the ones whose K/V deviate most.
 - ``question``: the top ratio by the attention the prompt's last
-  :data:`~semblend_sglang.recompute.QUERY_TAIL_TOKENS` positions pay each reused position,
-  summed over every layer and head, in a first pass where every reused position keeps its
-  donor's K/V (the pass costs what reuse without repair costs: only the other positions are
-  computed); the chosen positions are then recomputed from layer 0 (a second pass; QCFuse- and
-  ProphetKV-like, scored before the forward that repairs). ``question@c``: the same ranking,
-  recomputed after check layer ``c`` as ``deviation@c`` is (the two rankings side by side).
-- ``window@c``: the deviation at check layer ``c`` of one reused position in every
-  :data:`WINDOW` (a strided sample: the only positions a check would compute through ``c``),
-  each window ranked by its sampled position's and chosen whole, recomputed from layer 0 (the
-  rest of each window never went through the check): whether a sampled deep check finds the
-  positions the dense one does.
+  :data:`~semblend_sglang.recompute.QUERY_TAIL_TOKENS` positions pay each reused position (all
+  layers and heads) in a pass where every reused position keeps its donor's K/V, recomputed
+  from layer 0 (QCFuse-, ProphetKV-like); ``question@c``: that ranking after check layer ``c``;
+- ``window@c``: the deviation at ``c`` of one position per :data:`WINDOW` (a sampled check),
+  each window chosen whole by it and recomputed from layer 0.
 
 Reused positions are each shared passage of the group (``RequestGroup.shared_spans``) found in
 the probe and in the first donor that has it. Measurement only: nothing in serving imports it.
