@@ -144,6 +144,8 @@ def test_simulate_group_recomputing_everything_is_cold(
     margins, results = simulate_group(
         model, probe, donors, group.shared_spans, ratios=[1.0, 0.0], check_layers=[2]
     )
+    _, some = simulate_group(model, probe, donors, group.shared_spans, [0.0], [2], ["window"])
+    assert some == [("window@2", 0.0, next(a for n, r, a in results if n == "window@2" and r == 0))]
     assert len(margins) == 32 and all(m >= 0 for m in margins)
     assert [(name, ratio) for name, ratio, _ in results] == [
         ("deviation@2", 1.0),
@@ -193,6 +195,7 @@ def test_reference_refuses_what_it_does_not_model(tmp_path: Path, smollm2_model_
         (["--groups", "0"], "--groups", "0 is not in the range"),
         (["--groups", "3", "--only", "1,3"], "--only", "'3' is not a group index (0 to 2)"),
         (["--only", "first"], "--only", "'first' is not a group index (0 to 1)"),
+        (["--selections", "deep,oracle"], "--selections", "'oracle' is not one of deviation"),
     ],
 )
 def test_a_malformed_flag_is_one_usage_error_naming_it(

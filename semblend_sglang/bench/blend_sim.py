@@ -39,6 +39,14 @@ from semblend_sglang import recompute
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import rotate_fp32
 
+from .blend_sim_flags import (
+    SELECTIONS,
+    parse_check_layers,
+    parse_group_indices,
+    parse_ratios,
+    parse_selections,
+    parse_workloads,
+)
 from .e2e_runner import GREEDY_TOKENS
 from .metrics import greedy_agreement
 
@@ -244,9 +252,11 @@ def simulate_group(
     passages: Sequence[Sequence[int]],
     ratios: Sequence[float],
     check_layers: Sequence[int],
+    kinds: Sequence[str] = SELECTIONS,
 ) -> tuple[list[float], list[tuple[str, float, float]]]:
     """The cold margins of ``probe``'s greedy answer and, per (selection, ratio), its greedy
-    agreement with cold (:func:`.metrics.greedy_agreement`; selections in the module doc).
+    agreement with cold (:func:`.metrics.greedy_agreement`; selections in the module doc, those
+    of ``kinds`` only).
     Raises ValueError when a passage is missing from the probe or from every donor, or a check
     layer is not a layer of ``model``."""
     if any(not 0 <= c < model.layers for c in check_layers):
@@ -288,9 +298,11 @@ def simulate_group(
         )
         for i in range(model.layers)
     ]
-    *_, paid = blended_prefill(
-        model, cold, donor_keys, donor_values, positions, -1, recompute.QUERY_TAIL_TOKENS
-    )
+    paid = torch.zeros(n)
+    if "question" in kinds:
+        *_, paid = blended_prefill(
+            model, cold, donor_keys, donor_values, positions, -1, recompute.QUERY_TAIL_TOKENS
+        )
     selections: list[tuple[str, torch.Tensor, int]] = []
     for check in check_layers:
         selections.append((f"deviation@{check}", deviation[check], check))
@@ -300,7 +312,7 @@ def simulate_group(
         selections.append((f"window@{check}", windowed(deviation[check], WINDOW), -1))
     selections.append(("question", paid[positions], -1))
     results = []
-    for name, score, start in selections:
+    for name, score, start in (s for s in selections if s[0].split("@")[0] in kinds):
         for ratio in ratios:
             chosen = recompute.top(score, recompute.budget(len(positions), ratio))
             kept = torch.ones(len(positions), dtype=torch.bool)
@@ -311,69 +323,6 @@ def simulate_group(
             tokens, _ = model.greedy(keys, values, last, GREEDY_TOKENS)
             results.append((name, ratio, greedy_agreement(tokens, answer, GREEDY_TOKENS)))
     return margins, results
-
-
-def _ratio(part: str) -> float:
-    value = float(part)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(part)
-    return value
-
-
-def parse_ratios(text: str) -> list[float]:
-    """``--ratios``: comma-separated fractions of the reused positions in [0, 1]. Raises
-    :class:`click.BadParameter` naming the option for anything else."""
-    from .e2e import parse_comma_list
-
-    return parse_comma_list(text, "--ratios", _ratio, "a ratio (a number in [0, 1])")
-
-
-def parse_check_layers(text: str, layers: int | None = None) -> list[int]:
-    """``--check-layers``: comma-separated layer indices, each in ``[0, layers)`` (any
-    non-negative integer while ``layers`` is None, before the model is read). Raises
-    :class:`click.BadParameter` naming the option for anything else."""
-    from .e2e import parse_comma_list
-
-    def layer(part: str) -> int:
-        value = int(part)
-        if value < 0 or (layers is not None and value >= layers):
-            raise ValueError(part)
-        return value
-
-    bound = "a non-negative integer" if layers is None else f"0 to {layers - 1}"
-    return parse_comma_list(text, "--check-layers", layer, f"a layer of the model ({bound})")
-
-
-def parse_group_indices(text: str, groups: int) -> set[int]:
-    """``--only``: comma-separated group indices in ``[0, groups)``; empty: every group.
-    Raises :class:`click.BadParameter` naming the option for anything else."""
-    from .e2e import parse_comma_list
-
-    if not text.strip():
-        return set()
-
-    def index(part: str) -> int:
-        value = int(part)
-        if not 0 <= value < groups:
-            raise ValueError(part)
-        return value
-
-    return set(parse_comma_list(text, "--only", index, f"a group index (0 to {groups - 1})"))
-
-
-def parse_workloads(text: str) -> list[str]:
-    """``--workloads``: comma-separated built-in workloads that have donors (not ``control``).
-    Raises :class:`click.BadParameter` naming the option for anything else."""
-    from .builtin_workloads import BUILTIN_WORKLOADS
-
-    names = [n.strip() for n in text.split(",")]
-    wrong = [n for n in names if n not in BUILTIN_WORKLOADS or n == "control"]
-    if wrong:
-        choices = ", ".join(n for n in BUILTIN_WORKLOADS if n != "control")
-        raise click.BadParameter(
-            f"not a workload with donors: {wrong} (one of {choices})", param_hint="'--workloads'"
-        )
-    return names
 
 
 @click.command("blend-sim")
@@ -387,6 +336,12 @@ def parse_workloads(text: str) -> list[str]:
 )
 @click.option("--ratios", default="0.15,0.3,0.5,0.7,0.9", show_default=True)
 @click.option("--check-layers", default="1", show_default=True)
+@click.option(
+    "--selections",
+    default=",".join(SELECTIONS),
+    show_default=True,
+    help="comma-separated selections to run (module doc)",
+)
 @click.option("--model-path", type=click.Path(path_type=Path), default=None)
 def command(
     workloads: str,
@@ -395,6 +350,7 @@ def command(
     only: str,
     ratios: str,
     check_layers: str,
+    selections: str,
     model_path: Path | None,
 ) -> None:
     """Offline recompute simulation (no server): per probe of the built-in WORKLOADS, the
@@ -415,6 +371,7 @@ def command(
     names = parse_workloads(workloads)
     wanted = parse_ratios(ratios)
     chosen = parse_group_indices(only, groups)
+    kinds = parse_selections(selections)
     parse_check_layers(check_layers)
     path = model_path or Path(prepare_model())
     model = LlamaReference(path)
@@ -435,7 +392,7 @@ def command(
                 probe = group.probes[0].prompt_ids
                 donors = [d.prompt_ids for d in group.donors]
                 margins, results = simulate_group(
-                    model, probe, donors, group.shared_spans, wanted, layers
+                    model, probe, donors, group.shared_spans, wanted, layers, kinds
                 )
                 shown = " ".join(f"{m:.3f}" for m in margins[:3])
                 for selection in dict.fromkeys(s for s, _, _ in results):
