@@ -354,8 +354,8 @@ def command(
     model_path: Path | None,
 ) -> None:
     """Offline recompute simulation (no server): per probe of the built-in WORKLOADS, the
-    32-token greedy agreement with cold of each selection (deviation at a check layer, and the
-    deviation of the deeper layers) at each ratio; markdown rows on stdout."""
+    32-token greedy agreement with cold of each selection of SELECTIONS (the module doc) at
+    each ratio; markdown rows on stdout."""
     from ..cpu_runtime import ensure_torchvision_importable
 
     ensure_torchvision_importable()
