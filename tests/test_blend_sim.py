@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from semblend_sglang import recompute
 from semblend_sglang.bench.blend_sim import (
     LlamaReference,
     blended_prefill,
@@ -237,6 +238,4 @@ def test_only_simulates_the_groups_named_with_every_selection(
 def test_windowed_ranks_whole_windows_by_their_sampled_position() -> None:
     score = torch.tensor([0.1, 9.0, 9.0, 0.5, 0.2, 0.0, 0.3])
     assert windowed(score, 3).tolist() == pytest.approx([0.1] * 3 + [0.5] * 3 + [0.3])
-    from semblend_sglang import recompute
-
     assert recompute.top(windowed(score, 3), 4).tolist() == [3, 4, 5, 6]

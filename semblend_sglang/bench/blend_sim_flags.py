@@ -5,6 +5,8 @@ Called by :func:`.blend_sim.command` only; torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 SELECTIONS = ("deviation", "deep", "question", "window")
@@ -16,6 +18,19 @@ def _ratio(part: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise ValueError(part)
     return value
+
+
+def _index_below(bound: int | None) -> Callable[[str], int]:
+    """A converter for :func:`.e2e.parse_comma_list`: an integer in ``[0, bound)`` (any
+    non-negative integer when ``bound`` is None), ValueError for anything else."""
+
+    def index(part: str) -> int:
+        value = int(part)
+        if value < 0 or (bound is not None and value >= bound):
+            raise ValueError(part)
+        return value
+
+    return index
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -32,14 +47,9 @@ def parse_check_layers(text: str, layers: int | None = None) -> list[int]:
     :class:`click.BadParameter` naming the option for anything else."""
     from .e2e import parse_comma_list
 
-    def layer(part: str) -> int:
-        value = int(part)
-        if value < 0 or (layers is not None and value >= layers):
-            raise ValueError(part)
-        return value
-
     bound = "a non-negative integer" if layers is None else f"0 to {layers - 1}"
-    return parse_comma_list(text, "--check-layers", layer, f"a layer of the model ({bound})")
+    what = f"a layer of the model ({bound})"
+    return parse_comma_list(text, "--check-layers", _index_below(layers), what)
 
 
 def parse_selections(text: str) -> list[str]:
@@ -62,14 +72,8 @@ def parse_group_indices(text: str, groups: int) -> set[int]:
 
     if not text.strip():
         return set()
-
-    def index(part: str) -> int:
-        value = int(part)
-        if not 0 <= value < groups:
-            raise ValueError(part)
-        return value
-
-    return set(parse_comma_list(text, "--only", index, f"a group index (0 to {groups - 1})"))
+    what = f"a group index (0 to {groups - 1})"
+    return set(parse_comma_list(text, "--only", _index_below(groups), what))
 
 
 def parse_workloads(text: str) -> list[str]:
