@@ -177,6 +177,23 @@ class Config:
         "at it and only the selected reused positions are computed after it.",
         minimum=0,
     )
+    recompute_recheck_depth: float = setting(
+        0.0,
+        "deviation/query: plans of more than recompute_check_max_spans spans are checked "
+        "twice: the check layer keeps recompute_recheck_width times the budget, computed up to "
+        "the layer at this fraction of the model's depth, where their K/V deviation keeps the "
+        "budget (0: one check; a layer not after the check layer and before the last is "
+        "named at start-up and not used).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    recompute_recheck_width: float = setting(
+        3.0,
+        "deviation/query: with recompute_recheck_depth, the first check keeps this many times "
+        "the budget (capped at every candidate).",
+        minimum=1.0,
+        maximum=100.0,
+    )
     recompute_check_share: float = setting(
         0.15,
         "deviation/query: share of the reused positions of a plan with at most "

@@ -121,6 +121,16 @@ class CheckSampling:
         return check_sample(length, share, self.span_limit if share < 1.0 else 0)
 
 
+def recheck_layer(depth: float, check_layer: int, layers: int) -> int | None:
+    """The layer of the second check (``recompute_recheck_depth``) of a model of ``layers``
+    layers: ``round(depth * layers)``, or None when ``depth`` is 0 or that layer is not after
+    ``check_layer`` and before the last (a second check there could select nothing new)."""
+    if depth <= 0.0:
+        return None
+    layer = round(depth * layers)
+    return layer if check_layer < layer < layers - 1 else None
+
+
 def check_sample(length: int, share: float, limit: int = 0) -> torch.Tensor:
     """Offsets into a span of ``length`` reused positions computed up to the check layer when
     only ``share`` of them are: ``ceil(m / share)`` for ``m = 0, 1, ...`` below ``length`` (the

@@ -159,6 +159,8 @@ def test_simulate_group_recomputing_everything_is_cold(
         ("window@2", 0.0),
         ("question", 1.0),
         ("question", 0.0),
+        ("staged@2", 1.0),
+        ("staged@2", 0.0),
     ]
     assert all(agree == 1.0 for _, ratio, agree in results if ratio == 1.0)
     after_check = ("deviation@2", "deep@2", "question@2")

@@ -8,6 +8,9 @@ with the real SmolLM2 model.
   at most per span) answers like its dense reference too: there the copied positions left out
   of the sample are forced to the donor's K/V in every layer, and the budget, a share of every
   copied position, is capped by the sample.
+- A second check (``recompute_recheck_depth``) on a plan of several spans keeps the budget of
+  what the first kept, and answers like its dense reference too (unselected candidates forced
+  to the donor's K/V after the check that dropped them).
 - A quality gate that refuses every reuse (threshold below any deviation) recomputes everything:
   the answer equals a cold prefill's, and the request is counted ``declined:quality_gate``.
 """
@@ -54,6 +57,14 @@ SERVERS: dict[str, dict[str, str]] = {
         "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
         "SEMBLEND_RECOMPUTE_CHECK_SHARE": "0.2",
         "SEMBLEND_RECOMPUTE_CHECK_SPAN_LIMIT": "96",
+    },
+    # plans of several spans checked twice: the check layer keeps 3 x 15%, layer 15 of 30 the 15%
+    "recheck": {
+        "SEMBLEND_RECOMPUTE_STRATEGY": "deviation",
+        "SEMBLEND_RECOMPUTE_RATIO": "0.15",
+        "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
+        "SEMBLEND_RECOMPUTE_RECHECK_DEPTH": "0.5",
+        "SEMBLEND_RECOMPUTE_RECHECK_WIDTH": "3",
     },
     # a quality gate below any deviation: every reuse is refused (and no plan is sampled)
     "gate": {
@@ -172,6 +183,14 @@ def test_a_sampled_check_answers_like_its_dense_reference_within_the_sample(
     assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
 
 
+def _swapped(prompts: tuple[list[int], list[int]]) -> list[int]:
+    """The target with its essay passage's halves swapped: a plan of two spans."""
+    donor, target = prompts
+    doc = donor[-900:]
+    at = next(i for i in range(len(target)) if target[i : i + 900] == doc)
+    return target[:at] + doc[450:] + doc[:450] + target[at + 900 :]
+
+
 @pytest.mark.parametrize("recompute_server", ["sampled"], indirect=True)
 def test_a_plan_of_several_spans_is_checked_on_every_reused_position(
     recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
@@ -180,10 +199,8 @@ def test_a_plan_of_several_spans_is_checked_on_every_reused_position(
     ``recompute_check_max_spans`` (1), so its check scores every copied position and the full
     30% budget is spent, not a fifth."""
     url = recompute_server.url
-    donor, target = prompts
-    doc = donor[-900:]
-    at = next(i for i in range(len(target)) if target[i : i + 900] == doc)
-    swapped = target[:at] + doc[450:] + doc[:450] + target[at + 900 :]
+    donor, _ = prompts
+    swapped = _swapped(prompts)
     before = _after_fresh_donor(url, donor)
     _answer(url, swapped, 1)
     after = semblend_totals(url)
@@ -191,6 +208,40 @@ def test_a_plan_of_several_spans_is_checked_on_every_reused_position(
     kept = after["reused_tokens"] - before["reused_tokens"]
     recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
     assert kept + recomputed >= 700 and recomputed >= 0.29 * (kept + recomputed), (kept, recomputed)
+
+
+@pytest.mark.parametrize("recompute_server", ["recheck"], indirect=True)
+def test_a_second_check_keeps_the_budget_and_answers_like_its_dense_reference(
+    recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
+) -> None:
+    """A plan of two spans on a server with ``recompute_recheck_depth`` 0.5: the check layer
+    keeps 45% of the copied positions, layer 15 the 15% budget of them. The counters show the
+    budget, not the first check's 45%; the sparse run (rows dropped after each check) and its
+    dense reference (those rows forced to the donor's K/V after the check that dropped them)
+    give the same answer, which is not the cold one."""
+    url = recompute_server.url
+    donor, _ = prompts
+    swapped = _swapped(prompts)
+    before = _after_fresh_donor(url, donor)
+    sparse = _answer(url, swapped)
+    after = semblend_totals(url)
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1
+    assert after["recompute_checks"] == before["recompute_checks"] + 1
+    assert after["recompute_rechecks"] == before["recompute_rechecks"] + 1
+    kept = after["reused_tokens"] - before["reused_tokens"]
+    recomputed = after["recomputed_tokens"] - before["recomputed_tokens"]
+    copied = kept + recomputed
+    assert copied >= 700 and 0.15 * copied <= recomputed < 0.15 * copied + 1, (kept, recomputed)
+
+    before = _after_fresh_donor(url, donor)
+    dense = _answer(url, swapped, reference=True)
+    after = semblend_totals(url)
+    assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
+    _assert_same_answer(sparse, dense)
+    cold = _answer(url, swapped, salt="cold")
+    assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
+    assert recompute_server.log_path is not None
+    assert "checked again at layer 15 of 30" in recompute_server.log_path.read_text()
 
 
 @pytest.mark.parametrize("recompute_server", ["floor"], indirect=True)

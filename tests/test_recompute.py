@@ -218,3 +218,16 @@ def test_a_span_limit_caps_the_sample_of_a_sampled_plan_only(length: int, limit:
         assert all(math.floor(length / limit) <= g <= math.ceil(length / limit) for g in gaps)
     assert sampling.sample(2, length).tolist() == list(range(length))  # dense: no limit
     assert _sampling(0.15, 1, 0.0).sample(1, length).tolist() == share_only  # 0: no limit
+
+
+def test_the_second_check_sits_at_a_share_of_the_depth_between_the_check_and_the_last() -> None:
+    assert recompute.recheck_layer(0.0, 1, 24) is None
+    assert recompute.recheck_layer(0.5, 1, 24) == 12
+    assert recompute.recheck_layer(0.5, 1, 30) == 15
+    assert recompute.recheck_layer(0.5, 1, 4) == 2
+    # not after the check layer, or the last layer (nothing would follow it)
+    assert recompute.recheck_layer(0.25, 1, 4) is None
+    assert recompute.recheck_layer(0.5, 12, 24) is None
+    assert recompute.recheck_layer(1.0, 1, 24) is None
+    assert recompute.recheck_layer(0.96, 1, 24) is None  # layer 23 of 24, the last
+    assert recompute.recheck_layer(0.9, 1, 24) == 22

@@ -9,6 +9,12 @@ writes, each request's candidates are scored against the donor K/V still in thei
 so the layers after it compute only the gaps and the selected positions, their donor KV staying
 in the slots. The attention is then a sparse extend (:mod:`.attention`).
 
+With ``recompute_recheck_depth`` set, a plan of more than ``recompute_check_max_spans`` spans is
+checked twice: the check layer keeps ``recompute_recheck_width`` times its budget, and at the
+second check layer (:func:`~semblend_sglang.recompute.recheck_layer`) the K/V deviation of those
+(computed beside donor K/V since the first) keeps the budget; the others leave the batch after
+that layer. The second check scores the deviation whatever the strategy.
+
 This module is the one seam between the recompute and a model's code: it wraps, per model
 instance, each decoder layer's ``forward`` (to pass the shrunk positions and to shrink the
 hidden states after the check layer) and the ``RadixAttention`` of every layer (a dense
@@ -21,8 +27,8 @@ logs one line and refuses (plans are then declined as ``unsupported_model``).
 A request whose ``sampling_params.custom_params`` has ``semblend_dense_reference`` true runs
 as the *dense reference* of its selection: it keeps every position in every layer; the K/V of
 its copied positions left out of the sample are replaced by the donor's before attention in
-every layer, and those of its unselected candidates in the layers after the check layer. Its
-logits equal the sparse run's up to float rounding (tests use it).
+every layer, and those of its unselected candidates in the layers after the check layer that
+dropped them. Its logits equal the sparse run's up to float rounding (tests use it).
 
 If a forward does not match the batch that armed it, nothing is selected: every position still
 in the batch is computed in every layer (a cold prefill's result with a dense check; with a
@@ -33,7 +39,7 @@ exact cache like any reused KV), and the mismatch is logged once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +65,16 @@ _WRAPPED_ATTR = "_semblend_layer_hook"
 
 
 @dataclass
+class _Recheck:
+    """A request's second check: ``rows`` (in the forward's current rows) kept by the first,
+    of which ``count`` are kept; the first check's quality-gate ``residual``."""
+
+    rows: torch.Tensor
+    count: int
+    residual: float
+
+
+@dataclass
 class _RequestCheck:
     index: int
     rid: str
@@ -67,23 +83,35 @@ class _RequestCheck:
     reference: bool
     reused: int
     pinned: torch.Tensor
+    spans: int
+    recheck: _Recheck | None = None
+
+
+@dataclass
+class _Forced:
+    """Dense reference rows (in the forward's current rows) whose K/V are the donor's, read
+    from ``slots``, in every layer after ``after``."""
+
+    after: int
+    rows: torch.Tensor
+    slots: torch.Tensor
 
 
 @dataclass
 class _ForwardCheck:
     """One forward's check: armed by ``ForwardBatch.init_new``, bound to the forward whose
-    extend lengths are ``extend_lens``; ``pin_rows``/``pin_slots`` (a dense reference's copied
-    positions left out of the sample) set when the forward takes it; filled at the check
-    layer."""
+    extend lengths are ``extend_lens``. ``select_at``: the layer whose attention selects next
+    (None: no more); ``keep``: the rows that stay after layer ``shrink_at``; ``lens``: the
+    per-request rows of the forward now; ``forced``: dense reference rows on donor K/V."""
 
     requests: list[_RequestCheck]
     extend_lens: tuple[int, ...]
+    select_at: int | None = None
     keep: torch.Tensor | None = None
+    shrink_at: int | None = None
+    lens: tuple[int, ...] = ()
     positions: torch.Tensor | None = None
-    force_rows: torch.Tensor | None = None
-    force_slots: torch.Tensor | None = None
-    pin_rows: torch.Tensor | None = None
-    pin_slots: torch.Tensor | None = None
+    forced: list[_Forced] = field(default_factory=list)
 
 
 class LayerHook:
@@ -100,8 +128,13 @@ class LayerHook:
         self.flow = flow
         self.runtime = runtime
         self.pool = model_runner.token_to_kv_pool
-        self.check_layer = int(runtime.config.recompute_check_layer)
-        self.strategy = runtime.config.recompute_strategy
+        config = runtime.config
+        self.check_layer = int(config.recompute_check_layer)
+        self.recheck_layer = recompute.recheck_layer(
+            config.recompute_recheck_depth, self.check_layer, len(layers)
+        )
+        self.strategy = config.recompute_strategy
+        self.last_layer = len(layers) - 1
         self.armed: _ForwardCheck | None = None
         self._wrapped: list[Any] = []
         for i, layer in enumerate(layers):
@@ -132,6 +165,7 @@ class LayerHook:
                         wants_dense_reference(req),
                         cand.reused,
                         cand.pinned,
+                        cand.spans,
                     )
                 )
         if requests:
@@ -152,8 +186,9 @@ class LayerHook:
         pins = [starts[rc.index] + rc.pinned for rc in armed.requests if rc.pinned.numel()]
         if pins:
             rows = torch.cat(pins).to(forward_batch.out_cache_loc.device)
-            armed.pin_rows = rows
-            armed.pin_slots = forward_batch.out_cache_loc[rows]
+            armed.forced.append(_Forced(-1, rows, forward_batch.out_cache_loc[rows]))
+        armed.select_at = self.check_layer
+        armed.lens = armed.extend_lens
         setattr(forward_batch, _FORWARD_ATTR, armed)
         return armed
 
@@ -171,10 +206,12 @@ class LayerHook:
             if check.positions is not None:
                 positions = check.positions
             out = orig(positions, hidden_states, forward_batch, *args, **kw)
-            if index == hook.check_layer and check.keep is not None:
+            if index == check.shrink_at:
                 out = hook.flow.guarded(
                     "check_layer", None, out, hook._shrink, out, positions, forward_batch, check
                 )
+            if index == hook.last_layer:
+                hook.flow.guarded("check_layer", None, None, hook._settle, check)
             return out
 
         layer.forward = forward
@@ -185,25 +222,19 @@ class LayerHook:
         def attn_forward(q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
             check = forward_batch.__dict__.get(_FORWARD_ATTR)
             if check is not None and k is not None:
-                if index == hook.check_layer and check.keep is None:
+                if index == check.select_at:
+                    select = hook._select if index == hook.check_layer else hook._recheck
+                    check.select_at = None
                     hook.flow.guarded(
-                        "check_layer",
-                        None,
-                        None,
-                        hook._select,
-                        attn,
-                        q,
-                        k,
-                        v,
-                        forward_batch,
-                        check,
+                        "check_layer", None, None, select, attn, q, k, v, forward_batch, check
                     )
-                if index > hook.check_layer and check.force_rows is not None:
-                    assert check.force_slots is not None
-                    k, v = hook._force(attn, k, v, check.force_rows, check.force_slots)
-                elif index <= hook.check_layer and check.pin_rows is not None:
-                    assert check.pin_slots is not None
-                    k, v = hook._force(attn, k, v, check.pin_rows, check.pin_slots)
+                    if check.keep is not None:
+                        check.shrink_at = index
+                forced = [f for f in check.forced if f.after < index]
+                if forced:
+                    rows = torch.cat([f.rows for f in forced])
+                    slots = torch.cat([f.slots for f in forced])
+                    k, v = hook._force(attn, k, v, rows, slots)
             return attn_orig(q, k, v, forward_batch, *args, **kw)
 
         attn.forward = attn_forward
@@ -216,11 +247,19 @@ class LayerHook:
         self._wrapped.clear()
 
     # ------------------------------------------------------------------ the check
+    def _rechecks(self, rc: _RequestCheck) -> bool:
+        return (
+            self.recheck_layer is not None
+            and rc.spans > self.runtime.config.recompute_check_max_spans
+        )
+
     def _select(
         self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
     ) -> None:
         """Score each request's candidates at the check layer (before it writes its K/V),
-        select, report to the runtime and set ``check.keep`` (and the reference rows)."""
+        select (a request with a second check: ``recompute_recheck_width`` times its budget),
+        report to the runtime those with no second check and set ``check.keep`` (and the
+        reference rows)."""
         config = self.runtime.config
         n = int(k.shape[0])
         k3 = k.reshape(n, attn.tp_k_head_num, -1)
@@ -231,7 +270,7 @@ class LayerHook:
         starts = _request_starts(check)
         keep = torch.ones(n, dtype=torch.bool, device=device)
         forced: list[torch.Tensor] = []
-        reports = []
+        reports: list[tuple[_RequestCheck, int, bool, float]] = []
         for rc in check.requests:
             rows = (starts[rc.index] + rc.offsets).to(device)
             slots = forward_batch.out_cache_loc[rows]
@@ -254,47 +293,125 @@ class LayerHook:
                 config.recompute_min_deviation,
                 rc.reused,
             )
+            chosen = selection.recompute
+            if self._rechecks(rc) and not selection.gated:
+                wide = recompute.select(
+                    scores,
+                    deviation,
+                    config.recompute_ratio * config.recompute_recheck_width,
+                    0.0,
+                    config.recompute_min_deviation,
+                    rc.reused,
+                ).recompute
+                if wide.numel() > chosen.numel():
+                    count = int(chosen.numel())
+                    rc.recheck = _Recheck(rows[wide], count, selection.residual_deviation)
+                    chosen = wide
             dropped = torch.ones(rows.numel(), dtype=torch.bool, device=device)
-            dropped[selection.recompute] = False
+            dropped[chosen] = False
             if rc.reference:
                 forced.append(rows[dropped])
             else:
                 keep[rows[dropped]] = False
-            reports.append((rc, int(selection.recompute.numel()), selection))
+            if rc.recheck is None:
+                reports.append(
+                    (rc, int(chosen.numel()), selection.gated, selection.residual_deviation)
+                )
+        self._kept(check, keep, forced, forward_batch, reports, self.check_layer)
+
+    def _recheck(
+        self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
+    ) -> None:
+        """At the second check layer (before it writes its K/V): of the rows each rechecked
+        request's first check kept, keep its budget by their K/V deviation from the donor's
+        still in their slots; report them and set ``check.keep`` (and the reference rows)."""
+        del q
+        n = int(k.shape[0])
+        k3 = k.reshape(n, attn.tp_k_head_num, -1)
+        v3 = v.reshape(n, attn.tp_v_head_num, -1)
+        k_pool = self.pool.get_key_buffer(attn.layer_id)
+        v_pool = self.pool.get_value_buffer(attn.layer_id)
+        keep = torch.ones(n, dtype=torch.bool, device=k.device)
+        forced: list[torch.Tensor] = []
+        reports: list[tuple[_RequestCheck, int, bool, float]] = []
+        for rc in check.requests:
+            recheck, rc.recheck = rc.recheck, None
+            if recheck is None:
+                continue
+            rows = recheck.rows
+            slots = forward_batch.out_cache_loc[rows]
+            diff, norm = recompute.kv_deviation(k3[rows], v3[rows], k_pool[slots], v_pool[slots])
+            chosen = recompute.top(recompute.relative(diff, norm), recheck.count)
+            dropped = torch.ones(rows.numel(), dtype=torch.bool, device=k.device)
+            dropped[chosen] = False
+            if rc.reference:
+                forced.append(rows[dropped])
+            else:
+                keep[rows[dropped]] = False
+            reports.append((rc, recheck.count, False, recheck.residual))
+        assert self.recheck_layer is not None
+        self._kept(check, keep, forced, forward_batch, reports, self.recheck_layer)
+
+    def _kept(
+        self,
+        check: _ForwardCheck,
+        keep: torch.Tensor,
+        forced: list[torch.Tensor],
+        forward_batch: Any,
+        reports: list[tuple[_RequestCheck, int, bool, float]],
+        layer: int,
+    ) -> None:
+        """A check at ``layer`` chose: ``keep`` the rows that stay after it, ``forced`` the
+        dense reference rows on donor K/V after it; ``reports`` go to the flow."""
         check.keep = keep
-        if check.pin_rows is not None:
-            forced.append(check.pin_rows)
         if forced:
             rows = torch.cat(forced)
-            check.force_slots = forward_batch.out_cache_loc[rows]
-            check.force_rows = torch.cumsum(keep.to(torch.int64), 0)[rows] - 1
-        for rc, count, selection in reports:
-            self.flow.checked(
-                rc.rid, count, selection.gated, selection.residual_deviation, rc.final
-            )
+            check.forced.append(_Forced(layer, rows, forward_batch.out_cache_loc[rows]))
+        second = layer != self.check_layer
+        for rc, count, gated, residual in reports:
+            self.flow.checked(rc.rid, count, gated, residual, rc.final, second)
+
+    def _settle(self, check: _ForwardCheck) -> None:
+        """After the last layer: a second check that did not run (an error before it) reports
+        what the first kept, all of it computed since."""
+        for rc in check.requests:
+            recheck, rc.recheck = rc.recheck, None
+            if recheck is not None:
+                count = int(recheck.rows.numel())
+                self.flow.checked(rc.rid, count, False, recheck.residual, rc.final)
 
     def _shrink(
         self, out: Any, positions: torch.Tensor, forward_batch: Any, check: _ForwardCheck
     ) -> Any:
-        """After the check layer: drop the unselected candidates from the hidden states and
-        the forward batch; later layers get ``check.positions``."""
+        """After a check layer: drop the rows it did not keep from the hidden states and the
+        forward batch (later layers get ``check.positions``); the rows still to be rechecked
+        and the forced rows follow, and a pending second check is scheduled."""
         keep = check.keep
         assert keep is not None
-        if bool(keep.all()):
-            return out
-        backend = attention_backend(forward_batch)
-        if backend is None:  # before any change: the later layers then compute every row
-            raise RuntimeError("no attention backend to rebuild the shrunk batch's metadata")
-        index = torch.nonzero(keep).flatten()
-        out = shrink_hidden(out, index, forward_batch)
-        counts = []
-        start = 0
-        for length in check.extend_lens:
-            counts.append(int(keep[start : start + length].sum()))
-            start += length
-        shrink_batch(forward_batch, index, positions, check.extend_lens, counts)
-        check.positions = forward_batch.positions
-        backend.init_forward_metadata(forward_batch)
+        check.keep, check.shrink_at = None, None
+        if not bool(keep.all()):
+            backend = attention_backend(forward_batch)
+            if backend is None:  # before any change: the later layers then compute every row
+                raise RuntimeError("no attention backend to rebuild the shrunk batch's metadata")
+            index = torch.nonzero(keep).flatten()
+            out = shrink_hidden(out, index, forward_batch)
+            counts = []
+            start = 0
+            for length in check.lens:
+                counts.append(int(keep[start : start + length].sum()))
+                start += length
+            shrink_batch(forward_batch, index, positions, check.lens, counts)
+            check.lens = tuple(counts)
+            check.positions = forward_batch.positions
+            backend.init_forward_metadata(forward_batch)
+            moved = torch.cumsum(keep.to(torch.int64), 0) - 1
+            for f in check.forced:
+                f.rows = moved[f.rows]
+            for rc in check.requests:
+                if rc.recheck is not None:
+                    rc.recheck.rows = moved[rc.recheck.rows]
+        if any(rc.recheck is not None for rc in check.requests):
+            check.select_at = self.recheck_layer
         return out
 
     def _force(
@@ -409,6 +526,22 @@ def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
     runtime.layer_check = True
     runtime.check_hook = hook
     config = runtime.config
+    if config.recompute_recheck_depth > 0.0 and hook.recheck_layer is None:
+        logger.warning(
+            "semblend: recompute_recheck_depth=%s puts the second check at layer %d, not after "
+            "recompute_check_layer=%d and before the last layer (%d): plans are checked once",
+            config.recompute_recheck_depth,
+            round(config.recompute_recheck_depth * (hook.last_layer + 1)),
+            hook.check_layer,
+            hook.last_layer,
+        )
+    elif hook.recheck_layer is not None:
+        logger.info(
+            "semblend: plans of more than %d spans are checked again at layer %d of %d",
+            config.recompute_check_max_spans,
+            hook.recheck_layer,
+            hook.last_layer + 1,
+        )
     if config.quality_gate > 0.0 and config.recompute_check_share < 1.0:
         logger.warning(
             "semblend: quality_gate is set, so every plan is checked on all its reused "

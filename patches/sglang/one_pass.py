@@ -56,12 +56,14 @@ class CheckCandidates:
     ``final``: the chunk ends the prompt (the outcome is recorded at the check); ``reused``:
     every position the request copied in this chunk (the budget's base); ``pinned``: offsets of
     copied positions left out of the sample that a dense reference still computes (their K/V
-    forced to the donor's in every layer; empty otherwise)."""
+    forced to the donor's in every layer; empty otherwise); ``spans``: the plan's spans (whether
+    a second check applies)."""
 
     offsets: torch.Tensor
     final: bool
     reused: int
     pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    spans: int = 1
 
 
 @dataclass
@@ -379,7 +381,8 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad], sampling: CheckSam
         offsets = torch.nonzero(sampled[computed]).flatten()
         pinned = torch.nonzero((copied & ~sampled)[computed]).flatten()
         final = load.hi >= len(load.req.origin_input_ids)
-        found[load.req.rid] = CheckCandidates(offsets, final, int(copied.sum()), pinned)
+        spans = len(load.state.plan.spans)
+        found[load.req.rid] = CheckCandidates(offsets, final, int(copied.sum()), pinned, spans)
         masks[load.index] = (load, computed)
     _sparsify(batch, masks)
 

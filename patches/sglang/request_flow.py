@@ -335,11 +335,20 @@ class RequestFlow:
                     req.cached_tokens_device += copied
 
     # ----------------------------------------------------------------- 3. check layer
-    def checked(self, rid: str, recomputed: int, gated: bool, residual: float, final: bool) -> None:
+    def checked(
+        self,
+        rid: str,
+        recomputed: int,
+        gated: bool,
+        residual: float,
+        final: bool,
+        rechecked: bool = False,
+    ) -> None:
         """A check layer recomputed ``recomputed`` of the positions ``rid`` copied in this chunk
-        (``gated``: all, by the quality gate; ``residual``: the mean deviation the budget left).
-        ``final``: the chunk ends the prompt, so the plan completes now."""
-        self.runtime.count_check(recomputed, gated, residual)
+        (``gated``: all, by the quality gate; ``residual``: the mean deviation the budget left;
+        ``rechecked``: the second check layer chose them). ``final``: the chunk ends the prompt,
+        so the plan completes now."""
+        self.runtime.count_check(recomputed, gated, residual, rechecked)
         state = self.requests.get(rid)
         if state is None:
             return

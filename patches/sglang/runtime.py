@@ -32,11 +32,14 @@ class RecomputeCounts:
     """Counters of the recompute budget (process lifetime).
 
     ``checks``: request chunks that reached a check layer; ``gated``: of those, refused by the
-    quality gate; ``residual_deviation_sum``: the sum over checks of the mean relative K/V
-    deviation left unrecomputed by the budget (divide by ``checks`` for the mean)."""
+    quality gate; ``rechecks``: of those, selected again at the second check layer
+    (``recompute_recheck_depth``); ``residual_deviation_sum``: the sum over checks of the mean
+    relative K/V deviation the first check's budget left unrecomputed (divide by ``checks``
+    for the mean)."""
 
     checks: int = 0
     gated: int = 0
+    rechecks: int = 0
     residual_deviation_sum: float = 0.0
 
 
@@ -108,6 +111,7 @@ class SemblendRuntime:
         snap.update(self.donor_snapshot())
         snap["recompute_checks"] = self.recompute.checks
         snap["recompute_gated"] = self.recompute.gated
+        snap["recompute_rechecks"] = self.recompute.rechecks
         snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
         snap["sparse_extend_batches"] = sparse_batch_counts()
         return snap
@@ -133,12 +137,16 @@ class SemblendRuntime:
         """``tokens`` reused positions were recomputed (span heads, or at a check layer)."""
         self.provider.telemetry.observe_recomputed(tokens)
 
-    def count_check(self, recomputed: int, gated: bool, residual: float) -> None:
+    def count_check(
+        self, recomputed: int, gated: bool, residual: float, rechecked: bool = False
+    ) -> None:
         """A check layer recomputed ``recomputed`` copied positions of a chunk (``gated``: all,
-        by the quality gate; ``residual``: the mean deviation the budget left)."""
+        by the quality gate; ``residual``: the mean deviation the budget left; ``rechecked``:
+        the second check layer chose them)."""
         self.count_recomputed(recomputed)
         self.recompute.checks += 1
         self.recompute.gated += int(gated)
+        self.recompute.rechecks += int(rechecked)
         self.recompute.residual_deviation_sum += residual
 
     def observe_hook(self, seconds: float) -> None:

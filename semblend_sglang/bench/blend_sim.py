@@ -18,7 +18,12 @@ ratio, the 32-token greedy agreement with cold:
   layers and heads) in a pass where every reused position keeps its donor's K/V, recomputed
   from layer 0 (QCFuse-, ProphetKV-like); ``question@c``: that ranking after check layer ``c``;
 - ``window@c``: the deviation at ``c`` of one position per :data:`WINDOW` (a sampled check),
-  each window chosen whole by it and recomputed from layer 0.
+  each window chosen whole by it and recomputed from layer 0;
+- ``staged@c``: a check in two stages (CacheBlend's gradual filtering; the server's
+  ``recompute_recheck_depth``): the deviation at :data:`FIRST_STAGE_LAYER` (every position
+  computed through it) keeps ``recompute_recheck_width`` (its default) times the budget,
+  computed up to ``c``; there the deviation of those (their K/V recomputed beside donor K/V)
+  keeps the budget, computed after ``c``.
 
 Reused positions are each shared passage of the group (``RequestGroup.shared_spans``) found in
 the probe and in the first donor that has it. Measurement only: nothing in serving imports it.
@@ -36,6 +41,7 @@ import click
 import torch
 
 from semblend_sglang import recompute
+from semblend_sglang.config import Config
 from semblend_sglang.kernels.rope_spec import RopeSpec
 from semblend_sglang.kernels.rotate_ref import rotate_fp32
 
@@ -52,6 +58,10 @@ from .metrics import greedy_agreement
 
 WINDOW = 8
 """``window@c``: reused positions per sampled one (the check's sample is 1 in ``WINDOW``)."""
+
+
+FIRST_STAGE_LAYER = 1
+"""``staged@c``: the layer of the first, dense stage."""
 
 
 def windowed(score: torch.Tensor, window: int) -> torch.Tensor:
@@ -237,6 +247,61 @@ def blended_prefill(
     return keys, values, hidden[-1], watch.total if watch is not None else torch.zeros(n)
 
 
+@torch.no_grad()
+def staged_prefill(
+    model: LlamaReference,
+    cold: Prefill,
+    donor_keys: list[torch.Tensor],
+    donor_values: list[torch.Tensor],
+    positions: torch.Tensor,
+    first_score: torch.Tensor,
+    second_layer: int,
+    ratio: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """``staged@second_layer``: cold through :data:`FIRST_STAGE_LAYER`; the top
+    :func:`~semblend_sglang.recompute.budget` of ``ratio`` times the default
+    ``recompute_recheck_width`` of ``positions`` by ``first_score`` computed up to
+    ``second_layer`` (the others keep donor K/V from the layer after the first stage); there the
+    budget of ``ratio`` of those, by their K/V deviation from the donor's, computed after it.
+    Returns the per-layer K/V and the last position's final hidden state."""
+    n = cold.keys[0].shape[0]
+    count = recompute.budget(len(positions), ratio)
+    width = Config().recompute_recheck_width
+    wide = positions[recompute.top(first_score, recompute.budget(len(positions), ratio * width))]
+    keys = [k.clone() for k in cold.keys]
+    values = [v.clone() for v in cold.values]
+    computed = torch.ones(n, dtype=torch.bool)
+    computed[positions] = False
+    computed[wide] = True
+    rows = torch.nonzero(computed).flatten()
+    hidden = cold.hidden[FIRST_STAGE_LAYER + 1][rows]
+    for index in range(FIRST_STAGE_LAYER + 1, model.layers):
+        if index == second_layer + 1:
+            score = (
+                torch.zeros(0)
+                if wide.numel() == 0
+                else recompute.relative(
+                    *recompute.kv_deviation(
+                        keys[second_layer][wide],
+                        values[second_layer][wide],
+                        donor_keys[second_layer][wide],
+                        donor_values[second_layer][wide],
+                    )
+                )
+            )
+            narrow = wide[recompute.top(score, count)]
+            now = torch.ones(n, dtype=torch.bool)
+            now[positions] = False
+            now[narrow] = True
+            hidden = hidden[now[rows]]
+            computed, rows = now, torch.nonzero(now).flatten()
+        keep_donor = ~computed
+        keys[index][keep_donor] = donor_keys[index][keep_donor]
+        values[index][keep_donor] = donor_values[index][keep_donor]
+        hidden = model.layer(index, hidden, rows, rows, keys[index], values[index])
+    return keys, values, hidden[-1]
+
+
 def _find(haystack: Sequence[int], needle: Sequence[int]) -> int | None:
     n = len(needle)
     for i in range(len(haystack) - n + 1):
@@ -322,6 +387,24 @@ def simulate_group(
             )
             tokens, _ = model.greedy(keys, values, last, GREEDY_TOKENS)
             results.append((name, ratio, greedy_agreement(tokens, answer, GREEDY_TOKENS)))
+    for check in check_layers:
+        if "staged" not in kinds or check <= FIRST_STAGE_LAYER:
+            continue
+        for ratio in ratios:
+            keys, values, last = staged_prefill(
+                model,
+                cold,
+                donor_keys,
+                donor_values,
+                positions,
+                deviation[FIRST_STAGE_LAYER],
+                check,
+                ratio,
+            )
+            tokens, _ = model.greedy(keys, values, last, GREEDY_TOKENS)
+            results.append(
+                (f"staged@{check}", ratio, greedy_agreement(tokens, answer, GREEDY_TOKENS))
+            )
     return margins, results
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-SELECTIONS = ("deviation", "deep", "question", "window")
+SELECTIONS = ("deviation", "deep", "question", "window", "staged")
 """The selections of :mod:`.blend_sim` (its module doc), by the name before ``@``."""
 
 
