@@ -182,8 +182,8 @@ class Config:
         "deviation/query: plans of more than recompute_check_max_spans spans are checked "
         "twice: the check layer keeps recompute_recheck_width times the budget, computed up to "
         "the layer at this fraction of the model's depth, where their K/V deviation keeps the "
-        "budget (0: one check; a layer not after the check layer and before the last is "
-        "named at start-up and not used).",
+        "budget, recompute_min_deviation not applying (0: one check; a layer not after the "
+        "check layer and before the last is named at start-up and not used).",
         minimum=0.0,
         maximum=1.0,
     )

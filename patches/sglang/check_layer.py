@@ -295,18 +295,20 @@ class LayerHook:
             )
             chosen = selection.recompute
             if self._rechecks(rc) and not selection.gated:
+                # the floor judges the check layer's deviation, too shallow for these plans:
+                # a rechecked plan spends its whole budget
                 wide = recompute.select(
                     scores,
                     deviation,
                     config.recompute_ratio * config.recompute_recheck_width,
                     0.0,
-                    config.recompute_min_deviation,
+                    0.0,
                     rc.reused,
                 ).recompute
-                if wide.numel() > chosen.numel():
-                    count = int(chosen.numel())
+                count = min(int(rows.numel()), recompute.budget(rc.reused, config.recompute_ratio))
+                if wide.numel() > count:  # else it is the budget (width 1, or every candidate)
                     rc.recheck = _Recheck(rows[wide], count, selection.residual_deviation)
-                    chosen = wide
+                chosen = wide
             dropped = torch.ones(rows.numel(), dtype=torch.bool, device=device)
             dropped[chosen] = False
             if rc.reference:
