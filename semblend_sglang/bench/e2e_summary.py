@@ -46,6 +46,7 @@ RECOMPUTE_SETTINGS = (
     "recompute_strategy",
     "recompute_ratio",
     "recompute_check_layer",
+    "recompute_recheck_depth",
     "recompute_check_share",
     "recompute_check_max_spans",
     "recompute_check_span_limit",
