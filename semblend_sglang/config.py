@@ -178,7 +178,7 @@ class Config:
         minimum=0,
     )
     recompute_recheck_depth: float = setting(
-        0.0,
+        0.5,
         "deviation/query: plans of more than recompute_check_max_spans spans are checked "
         "twice: the check layer keeps recompute_recheck_width times the budget, computed up to "
         "the layer at this fraction of the model's depth, where their K/V deviation keeps the "
