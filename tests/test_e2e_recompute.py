@@ -132,6 +132,24 @@ def _assert_same_answer(
     assert worst <= LOGPROB_TOLERANCE, (worst, got[1], want[1])
 
 
+def _assert_dense_reference_answers_alike_and_not_cold(
+    url: str,
+    donor: list[int],
+    prompt: list[int],
+    sparse: tuple[list[int], list[float]],
+    recomputed: int,
+) -> None:
+    """``prompt``'s dense reference, after a fresh ``donor``, recomputes ``recomputed`` positions
+    and answers as the ``sparse`` run did, which is not the cold answer."""
+    before = _after_fresh_donor(url, donor)
+    dense = _answer(url, prompt, reference=True)
+    after = semblend_totals(url)
+    assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
+    _assert_same_answer(sparse, dense)
+    cold = _answer(url, prompt, salt="cold")
+    assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
+
+
 @pytest.mark.parametrize("recompute_server", ["deviation"], indirect=True)
 def test_a_deviation_selection_answers_like_its_dense_reference(
     recompute_server: SglangServer, prompts: tuple[list[int], list[int]]
@@ -175,13 +193,7 @@ def test_a_sampled_check_answers_like_its_dense_reference_within_the_sample(
     copied = kept + recomputed
     assert copied >= 800 and recomputed == 96, (kept, recomputed)
 
-    before = _after_fresh_donor(url, donor)
-    dense = _answer(url, target, reference=True)
-    after = semblend_totals(url)
-    assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
-    _assert_same_answer(sparse, dense)
-    cold = _answer(url, target, salt="cold")
-    assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
+    _assert_dense_reference_answers_alike_and_not_cold(url, donor, target, sparse, recomputed)
 
 
 def _swapped(prompts: tuple[list[int], list[int]]) -> list[int]:
@@ -235,13 +247,7 @@ def test_a_second_check_keeps_the_budget_and_answers_like_its_dense_reference(
     copied = kept + recomputed
     assert copied >= 700 and 0.15 * copied <= recomputed < 0.15 * copied + 1, (kept, recomputed)
 
-    before = _after_fresh_donor(url, donor)
-    dense = _answer(url, swapped, reference=True)
-    after = semblend_totals(url)
-    assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
-    _assert_same_answer(sparse, dense)
-    cold = _answer(url, swapped, salt="cold")
-    assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
+    _assert_dense_reference_answers_alike_and_not_cold(url, donor, swapped, sparse, recomputed)
     assert recompute_server.log_path is not None
     assert "checked again at layer 15 of 30" in recompute_server.log_path.read_text()
 

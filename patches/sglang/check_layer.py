@@ -264,8 +264,6 @@ class LayerHook:
         n = int(k.shape[0])
         k3 = k.reshape(n, attn.tp_k_head_num, -1)
         v3 = v.reshape(n, attn.tp_v_head_num, -1)
-        k_pool = self.pool.get_key_buffer(attn.layer_id)
-        v_pool = self.pool.get_value_buffer(attn.layer_id)
         device = k.device
         starts = _request_starts(check)
         keep = torch.ones(n, dtype=torch.bool, device=device)
@@ -273,9 +271,7 @@ class LayerHook:
         reports: list[tuple[_RequestCheck, int, bool, float]] = []
         for rc in check.requests:
             rows = (starts[rc.index] + rc.offsets).to(device)
-            slots = forward_batch.out_cache_loc[rows]
-            diff, norm = recompute.kv_deviation(k3[rows], v3[rows], k_pool[slots], v_pool[slots])
-            deviation = recompute.relative(diff, norm)
+            deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             scores = deviation
             if self.strategy is RecomputeStrategy.QUERY:
                 tail = _tail_rows(
@@ -309,12 +305,7 @@ class LayerHook:
                 if wide.numel() > count:  # else it is the budget (width 1, or every candidate)
                     rc.recheck = _Recheck(rows[wide], count, selection.residual_deviation)
                 chosen = wide
-            dropped = torch.ones(rows.numel(), dtype=torch.bool, device=device)
-            dropped[chosen] = False
-            if rc.reference:
-                forced.append(rows[dropped])
-            else:
-                keep[rows[dropped]] = False
+            _drop_unchosen(rc, rows, chosen, keep, forced)
             if rc.recheck is None:
                 reports.append(
                     (rc, int(chosen.numel()), selection.gated, selection.residual_deviation)
@@ -331,8 +322,6 @@ class LayerHook:
         n = int(k.shape[0])
         k3 = k.reshape(n, attn.tp_k_head_num, -1)
         v3 = v.reshape(n, attn.tp_v_head_num, -1)
-        k_pool = self.pool.get_key_buffer(attn.layer_id)
-        v_pool = self.pool.get_value_buffer(attn.layer_id)
         keep = torch.ones(n, dtype=torch.bool, device=k.device)
         forced: list[torch.Tensor] = []
         reports: list[tuple[_RequestCheck, int, bool, float]] = []
@@ -341,18 +330,24 @@ class LayerHook:
             if recheck is None:
                 continue
             rows = recheck.rows
-            slots = forward_batch.out_cache_loc[rows]
-            diff, norm = recompute.kv_deviation(k3[rows], v3[rows], k_pool[slots], v_pool[slots])
-            chosen = recompute.top(recompute.relative(diff, norm), recheck.count)
-            dropped = torch.ones(rows.numel(), dtype=torch.bool, device=k.device)
-            dropped[chosen] = False
-            if rc.reference:
-                forced.append(rows[dropped])
-            else:
-                keep[rows[dropped]] = False
+            deviation = self._deviation(attn, k3, v3, rows, forward_batch)
+            chosen = recompute.top(deviation, recheck.count)
+            _drop_unchosen(rc, rows, chosen, keep, forced)
             reports.append((rc, recheck.count, False, recheck.residual))
         assert self.recheck_layer is not None
         self._kept(check, keep, forced, forward_batch, reports, self.recheck_layer)
+
+    def _deviation(
+        self, attn: Any, k3: Any, v3: Any, rows: torch.Tensor, forward_batch: Any
+    ) -> torch.Tensor:
+        """The relative deviation of this layer's K/V at ``rows`` (before it writes) from the
+        donor K/V still in their slots."""
+        slots = forward_batch.out_cache_loc[rows]
+        k_pool = self.pool.get_key_buffer(attn.layer_id)
+        v_pool = self.pool.get_value_buffer(attn.layer_id)
+        return recompute.relative(
+            *recompute.kv_deviation(k3[rows], v3[rows], k_pool[slots], v_pool[slots])
+        )
 
     def _kept(
         self,
@@ -438,6 +433,23 @@ def _request_starts(check: _ForwardCheck) -> list[int]:
     for length in check.extend_lens[:-1]:
         starts.append(starts[-1] + length)
     return starts
+
+
+def _drop_unchosen(
+    rc: _RequestCheck,
+    rows: torch.Tensor,
+    chosen: torch.Tensor,
+    keep: torch.Tensor,
+    forced: list[torch.Tensor],
+) -> None:
+    """The ``rows`` of request ``rc`` not at the indices ``chosen`` leave the batch after this
+    check (False in ``keep``), or, for a dense reference, stay on the donor's K/V (``forced``)."""
+    dropped = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+    dropped[chosen] = False
+    if rc.reference:
+        forced.append(rows[dropped])
+    else:
+        keep[rows[dropped]] = False
 
 
 def _radix_attention(layer: Any) -> Any:
