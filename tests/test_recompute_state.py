@@ -16,7 +16,7 @@ from semblend_sglang.config import Config
 from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.patches.sglang.request_flow import RequestFlow
-from semblend_sglang.patches.sglang.request_reuse import RequestReuse, ReuseState
+from semblend_sglang.patches.sglang.request_reuse import CheckOutcome, RequestReuse, ReuseState
 from semblend_sglang.patches.sglang.runtime import SemblendRuntime
 from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
 from semblend_sglang.plan import Reason
@@ -87,7 +87,7 @@ def test_a_checked_request_is_materialized_with_the_tokens_it_kept() -> None:
     pieces = state.pieces_within(0, 10_000)
     copied = sum(p.length for p, _ in pieces)
     state.loaded(pieces, 10_000)
-    flow.checked("r", 100, False, 0.01, final=True)
+    flow.checked(CheckOutcome("r", 100, False, 0.01, final=True))
     assert state.state is ReuseState.MATERIALIZED
     snap = flow.runtime.snapshot()
     assert snap["reused_tokens"] == copied - 100
@@ -103,7 +103,7 @@ def test_a_gated_request_is_declined_as_quality_gate_and_keeps_its_publish_cap()
     copied = sum(p.length for p, _ in pieces)
     state.loaded(pieces, 10_000)
     cap = state.publish_cap
-    flow.checked("r", copied, True, 0.5, final=True)
+    flow.checked(CheckOutcome("r", copied, True, 0.5, final=True))
     assert _declined(flow).get(Reason.QUALITY_GATE) == 1
     assert flow.runtime.snapshot()["recompute_gated"] == 1
     assert flow.runtime.snapshot()["outcomes"]["materialized"] == 0
@@ -120,11 +120,11 @@ def test_a_check_on_a_non_final_chunk_waits_for_the_last_chunk() -> None:
     cut = state.spans[0].target_end
     first = state.pieces_within(0, cut)
     state.loaded(first, cut)
-    flow.checked("r", 10, False, 0.0, final=False)
+    flow.checked(CheckOutcome("r", 10, False, 0.0, final=False))
     assert state.state is ReuseState.LOADING
     rest = state.pieces_within(cut, 10_000)
     state.loaded(rest, 10_000)
-    flow.checked("r", 20, False, 0.0, final=True)
+    flow.checked(CheckOutcome("r", 20, False, 0.0, final=True))
     assert state.state is ReuseState.MATERIALIZED
     total = sum(p.length for p, _ in first + rest)
     assert flow.runtime.snapshot()["reused_tokens"] == total - 30

@@ -1,67 +1,43 @@
 """The check layer of a ``deviation`` / ``query`` recompute, inside the model forward.
 
-A batch whose reused positions are selected at a check layer (:class:`.one_pass.BatchReuse`)
-computes its candidates up to that layer: every copied position, or with
-``recompute_check_share`` below 1 a sample of them (the others left the batch before the first
-layer and keep the donor's KV in every layer). At the check layer's attention, before it
-writes, each request's candidates are scored against the donor K/V still in their slots
-(:mod:`semblend_sglang.recompute`); the unselected ones leave the batch right after the layer,
-so the layers after it compute only the gaps and the selected positions, their donor KV staying
-in the slots. The attention is then a sparse extend (:mod:`.attention`).
-
-With ``recompute_recheck_depth`` set, a plan of more than ``recompute_check_max_spans`` spans is
-checked twice: the check layer keeps ``recompute_recheck_width`` times its budget, and at the
-second check layer (:func:`~semblend_sglang.recompute.recheck_layer`) the K/V deviation of those
-(computed beside donor K/V since the first) keeps the budget; the others leave the batch after
-that layer. The second check scores the deviation whatever the strategy.
-
-This module is the one seam between the recompute and a model's code: it wraps, per model
-instance, each decoder layer's ``forward`` (to pass the shrunk positions and to shrink the
-hidden states after the check layer) and the ``RadixAttention`` of every layer (a dense
-reference's K/V are forced there). It knows the decoder layers of
-:data:`KNOWN_MODEL_CLASSES` (``forward(positions, hidden_states, forward_batch, ...)``
-returning sglang's residual-stream handle, or a ``(hidden, residual)`` pair); on any other
-model, pipeline or attention parallelism, or a check layer outside the model, :func:`install`
-logs one line and refuses (plans are then declined as ``unsupported_model``).
+What it selects, the sampled check and the second check are told in docs/sglang.md ("Recompute
+budget and quality gate"). This module is the one seam between the recompute and a model's
+code: :class:`LayerHook` wraps, per model instance, each decoder layer's ``forward`` (shrunk
+positions in; the hidden states shrunk after a check layer, :mod:`.batch_shrink`) and the
+``RadixAttention`` of every layer (candidates scored there before it writes, by
+:mod:`semblend_sglang.recompute`; a dense reference's K/V forced there). After a check layer the
+batch is a sparse extend (:mod:`.attention`). :mod:`.check_install` decides at start-up whether
+a model takes the hook.
 
 A request whose ``sampling_params.custom_params`` has ``semblend_dense_reference`` true runs
-as the *dense reference* of its selection: it keeps every position in every layer; the K/V of
-its copied positions left out of the sample are replaced by the donor's before attention in
-every layer, and those of its unselected candidates in the layers after the check layer that
-dropped them. Its logits equal the sparse run's up to float rounding (tests use it).
+as the *dense reference* of its selection: it keeps every position in every layer, with the
+donor's K/V forced wherever the sparse run keeps the donor's; its logits equal the sparse run's
+up to float rounding (tests use it).
 
-If a forward does not match the batch that armed it, nothing is selected: every position still
-in the batch is computed in every layer (a cold prefill's result with a dense check; with a
-sample, the positions left out keep the donor's KV, which the publish cap keeps out of the
-exact cache like any reused KV), and the mismatch is logged once.
+A forward that does not match the batch that armed it selects nothing: every position still in
+the batch is computed in every layer (positions a sampled check left out keep the donor's KV,
+which the publish cap keeps out of the exact cache like any reused KV), and the mismatch is
+logged once.
 """
 
 from __future__ import annotations
 
-import logging
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from semblend_sglang import recompute
-from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import RecomputeStrategy
 
 from .batch_shrink import attention_backend, shrink_batch, shrink_hidden
 from .one_pass import batch_reuse
 from .request_flow import RequestFlow
 from .request_info import wants_dense_reference
-
-logger = logging.getLogger(__name__)
-
-KNOWN_MODEL_CLASSES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-)
-"""Model classes whose decoder layers this seam knows."""
+from .request_reuse import CheckOutcome
 
 _FORWARD_ATTR = "_semblend_forward_check"
-_WRAPPED_ATTR = "_semblend_layer_hook"
 
 
 @dataclass
@@ -85,6 +61,11 @@ class _RequestCheck:
     pinned: torch.Tensor
     spans: int
     recheck: _Recheck | None = None
+
+    def outcome(
+        self, recomputed: int, gated: bool, residual: float, rechecked: bool = False
+    ) -> CheckOutcome:
+        return CheckOutcome(self.rid, recomputed, gated, residual, self.final, rechecked)
 
 
 @dataclass
@@ -268,7 +249,7 @@ class LayerHook:
         starts = _request_starts(check)
         keep = torch.ones(n, dtype=torch.bool, device=device)
         forced: list[torch.Tensor] = []
-        reports: list[tuple[_RequestCheck, int, bool, float]] = []
+        reports: list[CheckOutcome] = []
         for rc in check.requests:
             rows = (starts[rc.index] + rc.offsets).to(device)
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
@@ -307,9 +288,8 @@ class LayerHook:
                 chosen = wide
             _drop_unchosen(rc, rows, chosen, keep, forced)
             if rc.recheck is None:
-                reports.append(
-                    (rc, int(chosen.numel()), selection.gated, selection.residual_deviation)
-                )
+                count = int(chosen.numel())
+                reports.append(rc.outcome(count, selection.gated, selection.residual_deviation))
         self._kept(check, keep, forced, forward_batch, reports, self.check_layer)
 
     def _recheck(
@@ -324,7 +304,7 @@ class LayerHook:
         v3 = v.reshape(n, attn.tp_v_head_num, -1)
         keep = torch.ones(n, dtype=torch.bool, device=k.device)
         forced: list[torch.Tensor] = []
-        reports: list[tuple[_RequestCheck, int, bool, float]] = []
+        reports: list[CheckOutcome] = []
         for rc in check.requests:
             recheck, rc.recheck = rc.recheck, None
             if recheck is None:
@@ -333,7 +313,9 @@ class LayerHook:
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             chosen = recompute.top(deviation, recheck.count)
             _drop_unchosen(rc, rows, chosen, keep, forced)
-            reports.append((rc, recheck.count, False, recheck.residual))
+            reports.append(
+                CheckOutcome(rc.rid, recheck.count, False, recheck.residual, rc.final, True)
+            )
         assert self.recheck_layer is not None
         self._kept(check, keep, forced, forward_batch, reports, self.recheck_layer)
 
@@ -355,7 +337,7 @@ class LayerHook:
         keep: torch.Tensor,
         forced: list[torch.Tensor],
         forward_batch: Any,
-        reports: list[tuple[_RequestCheck, int, bool, float]],
+        reports: list[CheckOutcome],
         layer: int,
     ) -> None:
         """A check at ``layer`` chose: ``keep`` the rows that stay after it, ``forced`` the
@@ -364,9 +346,8 @@ class LayerHook:
         if forced:
             rows = torch.cat(forced)
             check.forced.append(_Forced(layer, rows, forward_batch.out_cache_loc[rows]))
-        second = layer != self.check_layer
-        for rc, count, gated, residual in reports:
-            self.flow.checked(rc.rid, count, gated, residual, rc.final, second)
+        for outcome in reports:
+            self.flow.checked(outcome)
 
     def _settle(self, check: _ForwardCheck) -> None:
         """After the last layer: a second check that did not run (an error before it) reports
@@ -375,7 +356,7 @@ class LayerHook:
             recheck, rc.recheck = rc.recheck, None
             if recheck is not None:
                 count = int(recheck.rows.numel())
-                self.flow.checked(rc.rid, count, False, recheck.residual, rc.final)
+                self.flow.checked(rc.outcome(count, False, recheck.residual))
 
     def _shrink(
         self, out: Any, positions: torch.Tensor, forward_batch: Any, check: _ForwardCheck
@@ -392,11 +373,7 @@ class LayerHook:
                 raise RuntimeError("no attention backend to rebuild the shrunk batch's metadata")
             index = torch.nonzero(keep).flatten()
             out = shrink_hidden(out, index, forward_batch)
-            counts = []
-            start = 0
-            for length in check.lens:
-                counts.append(int(keep[start : start + length].sum()))
-                start += length
+            counts = [int(part.sum()) for part in keep.split(list(check.lens))]
             shrink_batch(forward_batch, index, positions, check.lens, counts)
             check.lens = tuple(counts)
             check.positions = forward_batch.positions
@@ -429,10 +406,7 @@ class LayerHook:
 def _request_starts(check: _ForwardCheck) -> list[int]:
     """The first row of each of the batch's requests in the forward of ``check`` (before the
     check layer), by request index."""
-    starts = [0]
-    for length in check.extend_lens[:-1]:
-        starts.append(starts[-1] + length)
-    return starts
+    return [0, *itertools.accumulate(check.extend_lens[:-1])]
 
 
 def _drop_unchosen(
@@ -469,97 +443,3 @@ def _tail_rows(
     mine[pinned] = False
     rows = torch.nonzero(mine).flatten()[-recompute.QUERY_TAIL_TOKENS :]
     return rows + start
-
-
-def refusal(model_runner: Any, check_layer: int) -> str | None:
-    """Why the model of ``model_runner`` cannot take the check-layer hook, or None."""
-    model = getattr(model_runner, "model", None)
-    name = type(model).__name__
-    if name not in KNOWN_MODEL_CLASSES:
-        return f"model class {name} is not one the check-layer hook knows"
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        return f"{name} has no model.layers"
-    start = int(getattr(model.model, "start_layer", 0))
-    end = int(getattr(model.model, "end_layer", len(layers)))
-    if start != 0 or end != len(layers):
-        return "pipeline parallelism splits the layers"
-    if not 0 <= check_layer < end - 1:
-        return f"recompute_check_layer {check_layer} is not below the last layer ({end - 1})"
-    server_args = getattr(model_runner, "server_args", None)
-    if getattr(server_args, "enable_dp_attention", False):
-        return "data-parallel attention"
-    for arg in ("tp_size", "attn_cp_size", "dcp_size"):
-        if int(getattr(server_args, arg, 1) or 1) > 1:
-            return f"--{arg.replace('_', '-')} > 1 (ranks would score different heads)"
-    return None
-
-
-def model_runner_of(scheduler: Any) -> Any:
-    """The model runner of a scheduler (``tp_worker.model_runner``, or the legacy
-    ``tp_worker.worker.model_runner``), or None."""
-    worker = getattr(scheduler, "tp_worker", None)
-    runner = getattr(worker, "model_runner", None)
-    if runner is None:
-        runner = getattr(getattr(worker, "worker", None), "model_runner", None)
-    return runner
-
-
-def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
-    """Scheduler start: wrap the served model's layers when the configured strategy selects
-    at a check layer (a model wrapped already reports to ``flow`` from now on), and set
-    :attr:`SemblendRuntime.layer_check`. On a model this seam does not take, one warning names
-    why, ``layer_check`` is False and None is returned."""
-    runtime = flow.runtime
-    if not runtime.config.recompute_strategy.uses_check_layer:
-        return None
-    model = getattr(model_runner, "model", None)
-    if model is not None and getattr(model, _WRAPPED_ATTR, None) is not None:
-        hook: LayerHook = getattr(model, _WRAPPED_ATTR)
-        hook.flow, hook.runtime = flow, runtime
-        runtime.layer_check = True
-        runtime.check_hook = hook
-        return hook
-    reason = refusal(model_runner, int(runtime.config.recompute_check_layer))
-    if reason is None:
-        try:
-            hook = LayerHook(flow, model_runner)
-        except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-    if reason is not None:
-        runtime.layer_check = False
-        logger.warning(
-            "semblend: recompute_strategy=%s needs the check-layer hook, which refuses this "
-            "model (%s); every plan is declined as %s",
-            runtime.config.recompute_strategy,
-            reason,
-            Reason.UNSUPPORTED_MODEL,
-        )
-        return None
-    object.__setattr__(model, _WRAPPED_ATTR, hook)
-    runtime.layer_check = True
-    runtime.check_hook = hook
-    config = runtime.config
-    if config.recompute_recheck_depth > 0.0 and hook.recheck_layer is None:
-        logger.warning(
-            "semblend: recompute_recheck_depth=%s puts the second check at layer %d, not after "
-            "recompute_check_layer=%d and before the last layer (%d): plans are checked once",
-            config.recompute_recheck_depth,
-            round(config.recompute_recheck_depth * (hook.last_layer + 1)),
-            hook.check_layer,
-            hook.last_layer,
-        )
-    elif hook.recheck_layer is not None:
-        logger.info(
-            "semblend: plans of more than %d spans are checked again at layer %d of %d",
-            config.recompute_check_max_spans,
-            hook.recheck_layer,
-            hook.last_layer + 1,
-        )
-    if config.quality_gate > 0.0 and config.recompute_check_share < 1.0:
-        logger.warning(
-            "semblend: quality_gate is set, so every plan is checked on all its reused "
-            "positions (recompute_check_share=%s is not used)",
-            config.recompute_check_share,
-        )
-    return hook

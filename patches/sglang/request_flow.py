@@ -33,7 +33,7 @@ from .request_info import (
     opted_out,
     served_model_path,
 )
-from .request_reuse import RequestReuse
+from .request_reuse import CheckOutcome, RequestReuse
 from .runtime import SemblendRuntime
 from .version_view import VersionView
 
@@ -335,25 +335,15 @@ class RequestFlow:
                     req.cached_tokens_device += copied
 
     # ----------------------------------------------------------------- 3. check layer
-    def checked(
-        self,
-        rid: str,
-        recomputed: int,
-        gated: bool,
-        residual: float,
-        final: bool,
-        rechecked: bool = False,
-    ) -> None:
-        """A check layer recomputed ``recomputed`` of the positions ``rid`` copied in this chunk
-        (``gated``: all, by the quality gate; ``residual``: the mean deviation the budget left;
-        ``rechecked``: the second check layer chose them). ``final``: the chunk ends the prompt,
-        so the plan completes now."""
-        self.runtime.count_check(recomputed, gated, residual, rechecked)
-        state = self.requests.get(rid)
+    def checked(self, outcome: CheckOutcome) -> None:
+        """A check layer chose ``outcome`` (:class:`.request_reuse.CheckOutcome`); a final
+        chunk's plan completes now."""
+        self.runtime.count_check(outcome)
+        state = self.requests.get(outcome.rid)
         if state is None:
             return
-        state.checked(recomputed, gated)
-        if final:
+        state.checked(outcome.recomputed, outcome.gated)
+        if outcome.final:
             state.complete()
 
     # ----------------------------------------------------------------- 4. forward

@@ -27,6 +27,21 @@ class Outcomes(Protocol):
     def record_cold_fallback(self, request_id: Hashable, where: str = ...) -> bool: ...
 
 
+@dataclass(frozen=True)
+class CheckOutcome:
+    """What a check layer chose for request ``rid`` in one chunk (the hook reports it to
+    :meth:`.RequestFlow.checked`): ``recomputed`` of the positions it copied (``gated``: all, by
+    the quality gate), ``residual`` the mean deviation the budget left, ``rechecked`` when the
+    second check layer chose them; ``final``: the chunk ends the prompt."""
+
+    rid: str
+    recomputed: int
+    gated: bool
+    residual: float
+    final: bool
+    rechecked: bool = False
+
+
 class ReuseState(enum.Enum):
     """Where a request's reuse plan stands. Transitions are :class:`RequestReuse` methods.
 

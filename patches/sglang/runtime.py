@@ -22,6 +22,7 @@ from semblend_sglang.once_log import OnceLog
 from semblend_sglang.plan import Decision, Reason
 from semblend_sglang.provider import SemanticProvider
 
+from .request_reuse import CheckOutcome
 from .split_hooks import sparse_batch_counts
 
 logger = logging.getLogger(__name__)
@@ -137,17 +138,13 @@ class SemblendRuntime:
         """``tokens`` reused positions were recomputed (span heads, or at a check layer)."""
         self.provider.telemetry.observe_recomputed(tokens)
 
-    def count_check(
-        self, recomputed: int, gated: bool, residual: float, rechecked: bool = False
-    ) -> None:
-        """A check layer recomputed ``recomputed`` copied positions of a chunk (``gated``: all,
-        by the quality gate; ``residual``: the mean deviation the budget left; ``rechecked``:
-        the second check layer chose them)."""
-        self.count_recomputed(recomputed)
+    def count_check(self, outcome: CheckOutcome) -> None:
+        """A check layer chose ``outcome`` for one chunk of a request."""
+        self.count_recomputed(outcome.recomputed)
         self.recompute.checks += 1
-        self.recompute.gated += int(gated)
-        self.recompute.rechecks += int(rechecked)
-        self.recompute.residual_deviation_sum += residual
+        self.recompute.gated += int(outcome.gated)
+        self.recompute.rechecks += int(outcome.rechecked)
+        self.recompute.residual_deviation_sum += outcome.residual
 
     def observe_hook(self, seconds: float) -> None:
         """An engine hook took ``seconds``."""

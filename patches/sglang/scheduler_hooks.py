@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import check_layer
+from . import check_install
 from .attention import served_attention_refusal, set_sparse_path
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .request_flow import RequestFlow
@@ -79,7 +79,7 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
     attention backend that will decline every plan (:meth:`SemblendRuntime.note_reuse_off`:
     the snapshot's ``reuse_off``), the runtime takes the model's RoPE from the engine's resolved
     config (:meth:`SemblendRuntime.use_model_config`) and the model's layers are wrapped for a
-    check-layer recompute strategy (:func:`.check_layer.install`). The scheduler's forward
+    check-layer recompute strategy (:func:`.check_install.install`). The scheduler's forward
     stream is handed to the runtime in both cases (the copy waits for it)."""
     runtime = flow.runtime
 
@@ -104,8 +104,8 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
         hf_config = engine_hf_config(model_config)
         if hf_config is not None:
             flow.guarded("startup", None, None, runtime.use_model_config, hf_config)
-        runner = check_layer.model_runner_of(self)
+        runner = check_install.model_runner_of(self)
         if runner is not None:
-            flow.guarded("startup", None, None, check_layer.install, flow, runner)
+            flow.guarded("startup", None, None, check_install.install, flow, runner)
 
     return __init__
