@@ -313,9 +313,7 @@ class LayerHook:
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             chosen = recompute.top(deviation, recheck.count)
             _drop_unchosen(rc, rows, chosen, keep, forced)
-            reports.append(
-                CheckOutcome(rc.rid, recheck.count, False, recheck.residual, rc.final, True)
-            )
+            reports.append(rc.outcome(recheck.count, False, recheck.residual, rechecked=True))
         assert self.recheck_layer is not None
         self._kept(check, keep, forced, forward_batch, reports, self.recheck_layer)
 

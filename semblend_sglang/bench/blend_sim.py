@@ -176,10 +176,11 @@ def _run_layers(
     """``layers`` over ``hidden`` (the ``computed`` rows): the other positions' K/V in ``kv``
     become ``donor``'s in each of them. Returns the hidden states after the last."""
     rows = torch.nonzero(computed).flatten()
+    on_donor = ~computed
     keys, values = kv
     for index in layers:
-        keys[index][~computed] = donor[0][index][~computed]
-        values[index][~computed] = donor[1][index][~computed]
+        keys[index][on_donor] = donor[0][index][on_donor]
+        values[index][on_donor] = donor[1][index][on_donor]
         hidden = model.layer(index, hidden, rows, rows, keys[index], values[index], watch)
     return hidden
 
