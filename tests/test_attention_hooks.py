@@ -25,8 +25,10 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
 from semblend_sglang.patches.sglang import attention, attention_torch_native  # noqa: E402
-from semblend_sglang.patches.sglang.split_hooks import SparseExtendUnsupported  # noqa: E402
-from semblend_sglang.patches.sglang.split_view import is_sparse_batch  # noqa: E402
+from semblend_sglang.patches.sglang.split_view import (  # noqa: E402
+    SparseExtendUnsupported,
+    is_sparse_batch,
+)
 
 SHIPPED_FORWARD_EXTEND = TorchNativeAttnBackend.forward_extend
 SHIPPED_RUN_SDPA = TorchNativeAttnBackend._run_sdpa_forward_extend
@@ -65,7 +67,7 @@ def test_a_sparse_batch_runs_query_only_an_ordinary_one_sglangs_sdpa(
     """Without the query-only extend for every batch, a sparse batch (a few long runs or many
     short ones) runs the position-masked query-only extend on the real batch, counted once on
     that path; an ordinary batch reaches SGLang's SDPA loop as its own requests."""
-    from semblend_sglang.patches.sglang.split_hooks import sparse_batch_counts
+    from semblend_sglang.patches.sglang.split_view import sparse_batch_counts
 
     seen: list[list[int]] = []
     masked: list[int] = []

@@ -14,7 +14,7 @@ import pytest
 
 from semblend_sglang.cpu_runtime import ensure_torchvision_importable
 from semblend_sglang.patches.sglang import attention
-from semblend_sglang.patches.sglang.split_hooks import SparseExtendUnsupported, SplitDifference
+from semblend_sglang.patches.sglang.split_view import SparseExtendUnsupported, SplitDifference
 from semblend_sglang.patches.sglang.wrapping import install_wrappers, restore
 from tests.harness.attention_backend import forward_batch
 from tests.sparse_extend_batches import random_batch

@@ -44,7 +44,7 @@ def _votes(vote: Callable[..., bool]) -> ModuleType:
 
 
 def test_a_sparse_batch_runs_eagerly_an_ordinary_one_keeps_sglangs_answer():
-    from patches.sglang.split_hooks import prefill_graph_wrappers
+    from patches.sglang.unified import prefill_graph_wrappers
 
     sparse = forward_batch(random_batch(1, n_requests=2, kinds=("sparse", "cold")))
     ordinary = forward_batch(random_batch(1, n_requests=2, kinds=("exact", "cold")))
@@ -60,7 +60,7 @@ def test_a_sparse_batch_runs_eagerly_an_ordinary_one_keeps_sglangs_answer():
 
 def test_dp_vote_is_no_for_a_schedule_batch_with_a_sparse_request():
     from patches.sglang import one_pass
-    from patches.sglang.split_hooks import prefill_graph_wrappers
+    from patches.sglang.unified import prefill_graph_wrappers
 
     seen: list[Any] = []
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from patches.sglang.split_hooks import SparseExtendUnsupported
+from patches.sglang.split_view import SparseExtendUnsupported
 from tests.harness import fa3_backend
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import KINDS, random_batch

@@ -17,8 +17,8 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     SKIP_PREFIX_CUSTOM_MASK,
     build_sparse_extend_metadata,
 )
-from semblend_sglang.patches.sglang.split_hooks import SparseExtendUnsupported
-from semblend_sglang.patches.sglang.split_view import split_is_cheaper, split_view_of
+from semblend_sglang.patches.sglang.attention_triton import split_is_cheaper
+from semblend_sglang.patches.sglang.split_view import SparseExtendUnsupported, split_view_of
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import Batch, random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted

@@ -1,16 +1,17 @@
-"""Attention-backend hooks for a sparse extend: the registry of the backends they serve (one
-``attention_<name>`` module each, exporting its :class:`.split_hooks.HookedBackend`), their
-install and removal, and the refusals common to every backend (:func:`common_refusal`).
+"""Attention-backend hooks for a sparse extend, at start-up: the registry of the backends they
+serve (one ``attention_<name>`` module each, exporting its :class:`.split_view.HookedBackend`),
+their install and removal, and the refusals common to every backend (:func:`common_refusal`),
+which depend only on how a backend instance was configured.
 
 Every backend but torch_native is given a batch holding a sparse request as its split view
 (:mod:`.split_view`, which defines both) through its own ``init_forward_metadata`` and
-``forward_extend`` (:func:`.split_hooks.split_view_wrappers`); each backend's module says what it
+``forward_extend`` (:func:`.split_view.split_view_wrappers`); each backend's module says what it
 does differently. Batches without a sparse request are untouched, and a batch holding one never
-replays the prefill CUDA graph (:func:`.split_hooks.prefill_graph_wrappers`).
+replays the prefill CUDA graph (:func:`.unified.prefill_graph_wrappers`).
 
 SGLang's own path is kept for what this cannot match (cross or encoder-only attention, sliding
 window, encoder lens, no 1-D ``positions``, speculative modes); a sparse batch that reaches such a
-path raises :class:`.split_hooks.SparseExtendUnsupported` instead of computing wrong attention.
+path raises :class:`.split_view.SparseExtendUnsupported` instead of computing wrong attention.
 Callers decide beforehand with :func:`sparse_extend_supported`.
 """
 
@@ -38,7 +39,7 @@ from . import (
 )
 from .attention_torch_native import set_query_only_every_extend
 from .attention_triton import set_sparse_path
-from .split_hooks import HookedBackend
+from .split_view import HookedBackend
 from .wrapping import Originals, install_wrappers, restore
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .split_hooks import HookedBackend
+from .split_view import HookedBackend
 
 
 def fa3_supported(backend: Any) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .split_hooks import (
+from .split_view import (
     HookedBackend,
     SparseExtendUnsupported,
     SparsePath,
@@ -55,7 +55,7 @@ def _updater_room(updater: Any, n: int) -> Iterator[None]:
     request pool, and a split view may hold more sequences. Larger buffers of the same dtype
     and device are lent (``kv_last_page_len`` filled with ones, as SGLang's) and the updater's
     own put back after; the backend's lists are never mutated. The planned wrappers keep the
-    slices they were given, as with :func:`.split_hooks.scratch_room`."""
+    slices they were given, as with :func:`.attention_triton.scratch_room`."""
     saved: dict[str, Any] = {}
     for name in ("kv_indptr", "qo_indptr"):
         bufs = getattr(updater, name, None)

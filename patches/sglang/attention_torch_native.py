@@ -16,19 +16,53 @@ import torch
 
 from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
 
-from .split_hooks import (
+from .split_view import (
     HookedBackend,
     Serves,
     SparseExtendUnsupported,
     SparsePath,
+    batch_lens,
     count_sparse_batch,
-    query_positions,
+    is_plain_extend,
+    is_sparse_batch,
+    notes_of,
 )
-from .split_view import is_sparse_batch, notes_of
 from .wrapping import Wrappers
 
 _every_extend = False
 """Whether every extend batch runs query-only (:func:`set_query_only_every_extend`)."""
+
+
+def query_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:
+    """(position of every computed token, batch is sparse), or None when they cannot be known.
+
+    Ordinary requests get ``arange(m, n)`` (SGLang's own query placement); sparse requests get
+    their segment of ``forward_batch.positions``, which must then be 1-D with one entry per
+    computed token. None for a batch that is not EXTEND/MIXED, has encoder lens, lacks the length
+    fields, or has a sparse request without usable positions. Read by the position-mask paths.
+    """
+    if not is_plain_extend(forward_batch) or forward_batch.encoder_lens is not None:
+        return None
+    lens = batch_lens(forward_batch)
+    if lens is None:
+        return None
+    prefix, extend, seq = lens
+    sparse = [m + c != n for m, c, n in zip(prefix, extend, seq, strict=True)]
+    positions = forward_batch.positions
+    if any(sparse) and (
+        positions is None or positions.dim() != 1 or positions.shape[0] != sum(extend)
+    ):
+        return None
+    device = forward_batch.seq_lens.device
+    parts, start = [], 0
+    for m, c, is_sparse in zip(prefix, extend, sparse, strict=True):
+        if is_sparse:
+            parts.append(positions[start : start + c].to(device=device, dtype=torch.int64))
+        else:
+            parts.append(torch.arange(m, m + c, device=device, dtype=torch.int64))
+        start += c
+    qpos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+    return qpos, any(sparse)
 
 
 def _cached_positions(forward_batch: Any) -> tuple[torch.Tensor, bool] | None:

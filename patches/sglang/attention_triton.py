@@ -1,7 +1,7 @@
 """Sparse-extend hooks for sglang 0.5.23's ``TritonAttnBackend`` (``--attention-backend
 triton``). ``init_forward_metadata`` and ``forward_extend`` get the split view (the kernel saves
 the pass's KV before it reads the prefix) when it costs no more tile work than one
-position-masked pass per request (:func:`.split_view.split_is_cheaper`); otherwise SGLang's
+position-masked pass per request (:func:`split_is_cheaper`); otherwise SGLang's
 metadata for the real batch is replaced by :func:`build_sparse_extend_metadata`'s and the kernel
 runs with ``skip_prefix_custom_mask=False``. Many short runs make the split view slow (each run
 reads its whole prefix again; docs/perf.md, "Split view on a GPU").
@@ -9,9 +9,12 @@ reads its whole prefix again; docs/perf.md, "Split view on a GPU").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from semblend_sglang.config import SPARSE_PATHS
 from semblend_sglang.kernels.sparse_extend_triton import (
@@ -19,16 +22,17 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     build_sparse_extend_metadata,
 )
 
-from .split_hooks import (
+from .attention_torch_native import query_positions
+from .split_view import (
     BUILT_ATTR,
     HookedBackend,
     SparseExtendUnsupported,
     SparsePath,
     SplitDifference,
-    query_positions,
-    scratch_room,
+    SplitSequences,
+    batch_lens,
+    split_view_of,
 )
-from .split_view import split_is_cheaper, split_view_of
 from .wrapping import Wrappers
 
 _sparse_path = "auto"
@@ -44,6 +48,49 @@ def triton_supported(backend: Any) -> bool:
         and getattr(backend, "dllm_attention", None) is None
         and (swa is None or swa <= 0)
     )
+
+
+TILE = 64
+"""Query and key tile edge of :func:`tile_work` (SGLang's Triton extend kernel tiles 64 or 128
+queries by 64 keys)."""
+
+
+def tile_work(extend: list[int], seq: list[int]) -> int:
+    """Tile pairs a prefix + causal-extend kernel visits for sequences of ``extend`` queries over
+    ``seq`` keys: ``sum(ceil(e / TILE) * ceil(n / TILE))``. A split run pays for its whole
+    prefix again, so many short runs cost more than one position-masked pass over the request."""
+    return sum(-(-e // TILE) * -(-n // TILE) for e, n in zip(extend, seq, strict=True))
+
+
+def split_is_cheaper(forward_batch: Any, seqs: SplitSequences) -> bool:
+    """Whether the split view's sequences cost no more tile work than the real batch's requests
+    run with a position mask (one sequence per request): the choice a backend that has both
+    paths (triton) makes per batch (docs/perf.md, "Split view on a GPU")."""
+    lens = batch_lens(forward_batch)
+    if lens is None:
+        return True
+    _, extend, seq = lens
+    return tile_work(seqs.extend, seqs.seq) <= tile_work(extend, seq)
+
+
+@contextlib.contextmanager
+def scratch_room(backend: Any, names: tuple[str, ...], length: int) -> Iterator[None]:
+    """Within the block, each of ``backend``'s 1-D scratch buffers ``names`` shorter than
+    ``length`` is a zeroed buffer of ``length`` (same dtype and device); the originals are put
+    back after. A split view may hold more sequences than SGLang sized these buffers for (its
+    request pool); the metadata built inside keeps slices of the larger ones, and CUDA-graph
+    replay, which captured the originals, never sees them."""
+    saved: dict[str, Any] = {}
+    for name in names:
+        buf = getattr(backend, name, None)
+        if isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.shape[0] < length:
+            saved[name] = buf
+            setattr(backend, name, torch.zeros(length, dtype=buf.dtype, device=buf.device))
+    try:
+        yield
+    finally:
+        for name, buf in saved.items():
+            setattr(backend, name, buf)
 
 
 TRITON_SCRATCH = ("kv_indptr", "qo_indptr", "mask_indptr")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .split_hooks import (
+from .split_view import (
     HookedBackend,
     SparseExtendUnsupported,
     SparsePath,

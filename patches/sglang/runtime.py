@@ -23,7 +23,7 @@ from semblend_sglang.plan import Decision, Reason
 from semblend_sglang.provider import SemanticProvider
 
 from .request_reuse import CheckOutcome
-from .split_hooks import sparse_batch_counts
+from .split_view import sparse_batch_counts
 
 logger = logging.getLogger(__name__)
 

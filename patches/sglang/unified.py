@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -24,12 +25,12 @@ from packaging.specifiers import SpecifierSet
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 
-from . import rank_agreement
+from . import one_pass, rank_agreement
 from .adapter import HookTable, SglangAdapter
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
-from .split_hooks import prefill_graph_wrappers
+from .split_view import graph_can_carry
 from .substitute import substitute_request
 from .version_view import TreeMatch, TreeMatchParams, VersionView
 from .wrapping import Wrappers
@@ -250,6 +251,33 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         substitute_request(
             self.flow, scheduler, req, cache, lambda t, ns: _cached_len(cache, t, ns)
         )
+
+
+def prefill_graph_wrappers(runner: type, dp_attn: Any) -> Wrappers:
+    """Wrappers of ``runner.can_run_graph`` (``PrefillCudaGraphRunner``, which replays prefill
+    batches on CUDA by default, its metadata from ``init_forward_metadata_out_graph``) and of
+    the module function ``dp_attn._local_prefill_cuda_graph_vote`` (min-reduced across ranks
+    under DP attention), built from the current originals: a batch holding a sparse request
+    says no to the graph (the model runner runs it eagerly, through the hooked
+    ``init_forward_metadata``) and so does this rank's vote for it, so every rank runs that step
+    eagerly together. Ordinary batches keep SGLang's answer; never raises on its own."""
+    can_run_graph = runner.can_run_graph
+    vote: Callable[..., bool] = dp_attn._local_prefill_cuda_graph_vote
+
+    def can_run_graph_hook(self: Any, forward_batch: Any) -> bool:
+        return graph_can_carry(forward_batch) and can_run_graph(self, forward_batch)
+
+    def vote_hook(*args: Any, **kwargs: Any) -> bool:
+        batch = kwargs.get("local_batch")
+        reuse = one_pass.batch_reuse(batch) if batch is not None else None
+        if reuse is not None and reuse.sparse:
+            return False
+        return vote(*args, **kwargs)
+
+    return {
+        (runner, "can_run_graph"): can_run_graph_hook,
+        (dp_attn, "_local_prefill_cuda_graph_vote"): vote_hook,
+    }
 
 
 def _host_len(result: Any) -> int:
