@@ -19,8 +19,14 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E
 from semblend_sglang.patches.sglang import split_view  # noqa: E402
 from semblend_sglang.patches.sglang.split_view import (  # noqa: E402
     NOTES_ATTR,
+    SparsePath,
+    check_of,
     computed_runs,
+    count_sparse_batch,
+    forward_notes,
     is_sparse_batch,
+    notes_of,
+    sparse_batch_counts,
     split_sequences,
     split_view_of,
 )
@@ -106,7 +112,7 @@ def test_a_batch_without_a_sparse_request_has_no_view():
 def test_the_view_is_built_once_per_batch_and_rebuilt_when_positions_change():
     fb = _fb([2, 1], [3, 5], [5, 10], [2, 3, 4, 1, 2, 5, 8, 9])
     first = split_view_of(fb)
-    assert split_view_of(fb) is first and getattr(fb, NOTES_ATTR).view is first
+    assert split_view_of(fb) is first and getattr(fb, NOTES_ATTR).batch.view is first
     fb.positions = torch.tensor([2, 3, 4, 1, 2, 3, 8, 9])
     second = split_view_of(fb)
     assert second is not first
@@ -160,3 +166,23 @@ def test_random_batches_split_into_their_positions(seed: int):
     for i, (s, n) in enumerate(zip(seqs.prefix, seqs.seq, strict=True)):
         assert n <= int(batch.seq_lens[seqs.request[i]])
         assert s >= int(batch.extend_prefix_lens[seqs.request[i]])
+
+
+def test_a_forward_batch_carries_one_attribute_whose_check_and_count_outlive_a_shrink():
+    """The hooks and the check layer keep one object on a ForwardBatch: reading the check layer's
+    state makes none; when a length field is replaced (the check layer shrinking the batch) the
+    attention notes are new, while the check layer's state and the sparse-path count stay."""
+    fb = _fb([2, 1], [3, 5], [5, 10], [2, 3, 4, 1, 2, 5, 8, 9])
+    assert check_of(fb) is None and NOTES_ATTR not in vars(fb)
+    notes = forward_notes(fb)
+    state = object()
+    notes.check = state
+    before = sparse_batch_counts()[SparsePath.SPLIT_VIEW.value]
+    count_sparse_batch(SparsePath.SPLIT_VIEW, fb)
+    first = notes_of(fb)
+    fb.positions = torch.tensor([2, 3, 4, 1, 2, 3, 8, 9])
+    assert forward_notes(fb) is notes and notes_of(fb) is not first
+    count_sparse_batch(SparsePath.SPLIT_VIEW, fb)
+    assert check_of(fb) is state
+    assert sparse_batch_counts()[SparsePath.SPLIT_VIEW.value] == before + 1
+    assert [name for name in vars(fb) if name.startswith("_semblend")] == [NOTES_ATTR]

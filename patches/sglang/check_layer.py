@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,8 +36,7 @@ from .one_pass import batch_reuse
 from .request_flow import RequestFlow
 from .request_info import wants_dense_reference
 from .request_reuse import CheckOutcome
-
-_FORWARD_ATTR = "_semblend_forward_check"
+from .split_view import check_of, forward_notes
 
 
 @dataclass
@@ -153,7 +152,7 @@ class LayerHook:
             self.armed = _ForwardCheck(requests, tuple(int(x) for x in lens))
 
     def _take(self, forward_batch: Any, layer: int) -> _ForwardCheck | None:
-        check: _ForwardCheck | None = forward_batch.__dict__.get(_FORWARD_ATTR)
+        check = cast("_ForwardCheck | None", check_of(forward_batch))
         if check is not None or layer != 0 or self.armed is None:
             return check
         armed, self.armed = self.armed, None
@@ -170,7 +169,7 @@ class LayerHook:
             armed.forced.append(_Forced(-1, rows, forward_batch.out_cache_loc[rows]))
         armed.select_at = self.check_layer
         armed.lens = armed.extend_lens
-        setattr(forward_batch, _FORWARD_ATTR, armed)
+        forward_notes(forward_batch).check = armed
         return armed
 
     # ------------------------------------------------------------------ wrappers
@@ -201,7 +200,7 @@ class LayerHook:
         attn_orig = attn.forward
 
         def attn_forward(q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-            check = forward_batch.__dict__.get(_FORWARD_ATTR)
+            check = cast("_ForwardCheck | None", check_of(forward_batch))
             if check is not None and k is not None:
                 if index == check.select_at:
                     select = hook._select if index == hook.check_layer else hook._recheck

@@ -13,12 +13,10 @@ cache keep the real :class:`ForwardBatch`. The view is valid only where the back
 pass's KV before it reads a run's prefix (runs after the first read earlier runs' computed KV as
 prefix): each backend's module says so for its kernel.
 
-The hooks: :class:`HookedBackend` (one backend as data, exported by each ``attention_<name>``
-module), the one factory of its wrappers (:func:`split_view_wrappers`, given what the backend does
-differently, :class:`SplitDifference`), the error a sparse batch raises on a path that cannot
-carry it, the causal-layer check and the CUDA-graph rule (:func:`graph_can_carry`). Callers: the
-``attention_<name>`` modules and :mod:`.attention` (the registry). Nothing here changes SGLang or
-the batch it is given.
+The hooks: :class:`HookedBackend` (one backend as data, each ``attention_<name>`` module's), the
+one factory of its wrappers (:func:`split_view_wrappers`), the error a sparse batch raises on a
+path that cannot carry it, and the CUDA-graph rule (:func:`graph_can_carry`). Nothing here
+changes SGLang or the batch it is given.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import torch
 from .wrapping import Wrappers
 
 NOTES_ATTR = "_semblend_notes"
-"""The one attribute the attention hooks set on a ForwardBatch: its :class:`BatchNotes`."""
+"""The one attribute semblend sets on a ForwardBatch: its :class:`ForwardNotes`."""
 
 LEN_FIELDS = (
     "positions",
@@ -49,8 +47,7 @@ LEN_FIELDS = (
     "seq_lens_cpu",
 )
 """The ForwardBatch fields a batch's split is computed from. SGLang and the check layer replace
-them (new objects) rather than edit them in place, so a kept answer is valid while each field is
-the same object."""
+them rather than edit them, so a kept answer is valid while each field is the same object."""
 
 
 @dataclass(frozen=True)
@@ -100,37 +97,58 @@ def _fields(forward_batch: Any) -> tuple[Any, ...]:
 
 @dataclass
 class BatchNotes:
-    """What the attention hooks learn about one ForwardBatch during its forward, kept on it
-    (:data:`NOTES_ATTR`) so every layer asks once: its :data:`LEN_FIELDS` objects, whether it is
-    sparse, its split view, its computed tokens' positions (torch_native), and whether it was
-    counted on a sparse path. Only :func:`notes_of` makes one."""
+    """What the attention hooks learn about one ForwardBatch for its current :data:`LEN_FIELDS`
+    objects, so every layer asks once: whether it is sparse, its split view and its computed
+    tokens' positions (torch_native)."""
 
     fields: tuple[Any, ...]
     sparse: bool | None = None
     view: SplitView | None = None
     positions: tuple[torch.Tensor, bool] | None = None
+
+
+@dataclass
+class ForwardNotes:
+    """Everything semblend keeps on one ForwardBatch during its forward (:data:`NOTES_ATTR`):
+    the attention hooks' :class:`BatchNotes` (new ones once the check layer shrinks the batch),
+    whether it was counted on a sparse path, and the check layer's state (check_layer.py's; None
+    unless it armed one). Only :func:`forward_notes` makes one."""
+
+    batch: BatchNotes
     counted: bool = False
+    check: object | None = None
+
+
+def forward_notes(forward_batch: Any) -> ForwardNotes:
+    """The batch's :class:`ForwardNotes`, made on first use, their ``batch`` renewed once one of
+    its :data:`LEN_FIELDS` objects was replaced; unkept ones for a batch that takes no
+    attributes. Called by the hooks and the check layer, never by SGLang."""
+    now = _fields(forward_batch)
+    notes = getattr(forward_batch, NOTES_ATTR, None)
+    if notes is None:
+        notes = ForwardNotes(BatchNotes(now))
+        with contextlib.suppress(AttributeError):
+            setattr(forward_batch, NOTES_ATTR, notes)
+    elif not all(a is b for a, b in zip(notes.batch.fields, now, strict=True)):
+        notes.batch = BatchNotes(now)
+    return notes
 
 
 def notes_of(forward_batch: Any) -> BatchNotes:
-    """The batch's notes for its current :data:`LEN_FIELDS` objects: new ones (keeping only
-    ``counted``) once a field was replaced (the check layer shrinking the batch), unkept ones
-    for a batch that takes no attributes. Called by the hooks, never by SGLang."""
-    now = _fields(forward_batch)
+    """The attention hooks' notes for the batch's current :data:`LEN_FIELDS` objects."""
+    return forward_notes(forward_batch).batch
+
+
+def check_of(forward_batch: Any) -> object | None:
+    """The check layer's state on the batch, None when it set none; never makes notes."""
     notes = getattr(forward_batch, NOTES_ATTR, None)
-    if notes is not None and all(a is b for a, b in zip(notes.fields, now, strict=True)):
-        return notes
-    fresh = BatchNotes(now, counted=notes is not None and notes.counted)
-    with contextlib.suppress(AttributeError):
-        setattr(forward_batch, NOTES_ATTR, fresh)
-    return fresh
+    return None if notes is None else notes.check
 
 
 def is_sparse_batch(forward_batch: Any) -> bool:
     """True when an extend batch holds a request with ``prefix_len + extend_len != seq_len``;
-    False for any batch without those fields (decode, idle). Every attention layer asks: the
-    answer is kept in the batch's notes (:func:`notes_of`), so the host reads of
-    :func:`batch_lens` happen once per forward."""
+    False for any batch without those fields (decode, idle). Kept in the batch's notes, so the
+    host reads of :func:`batch_lens` happen once per forward, not once per layer."""
     if not forward_batch.forward_mode.is_extend():
         return False
     notes = notes_of(forward_batch)
@@ -257,10 +275,9 @@ _paths_lock = threading.Lock()
 
 def count_sparse_batch(path: SparsePath, forward_batch: Any) -> None:
     """Count ``forward_batch`` (holding a sparse request) once on ``path``: the hooks call it
-    every time they route it (per layer, or per metadata build after a check layer shrank it);
-    only the first call for a batch object counts (its notes remember; a batch that takes no
-    attributes is counted every time)."""
-    notes = notes_of(forward_batch)
+    each time they route it; only the first call for a batch object counts (its notes remember;
+    a batch that takes no attributes is counted every time)."""
+    notes = forward_notes(forward_batch)
     if notes.counted:
         return
     notes.counted = True
@@ -287,10 +304,8 @@ def is_plain_extend(forward_batch: Any) -> bool:
 
 def split_batch(backend: str, forward_batch: Any) -> Any | None:
     """The split view's batch of ``forward_batch`` when it holds a sparse request, else None.
-
     Raises :class:`SparseExtendUnsupported` (naming ``backend``) for a sparse batch that is not
-    a plain EXTEND/MIXED batch, has encoder lens, or lacks usable positions.
-    """
+    a plain EXTEND/MIXED batch, has encoder lens, or lacks usable positions."""
     if not is_sparse_batch(forward_batch):
         return None
     encoder = getattr(forward_batch, "encoder_lens", None)
@@ -316,16 +331,14 @@ def check_causal_layer(backend: str, layer: Any) -> None:
 
 def graph_can_carry(forward_batch: Any) -> bool:
     """The CUDA-graph rule: a batch holding a sparse request never runs CUDA-graph attention
-    metadata (it is built for the real batch and cannot carry the split view). Read by every
-    split-view backend's ``init_forward_metadata_out_graph`` wrapper and by
-    :func:`prefill_graph_wrappers`."""
+    metadata (built for the real batch, it cannot carry the split view). Read by
+    :func:`split_view_wrappers` and :func:`.unified.prefill_graph_wrappers`."""
     return not is_sparse_batch(forward_batch)
 
 
 BUILT_ATTR = "_semblend_built_for"
-"""Backend attribute: what its current metadata was built for by :func:`split_view_wrappers`
-(the split view's sequences, or the position-mask metadata object); None when SGLang's own code
-built it for a batch without a sparse request."""
+"""Backend attribute: what :func:`split_view_wrappers` built its current metadata for (the split
+view's sequences, or the position-mask metadata object); None when SGLang's own code built it."""
 
 MetadataBuild = Callable[[Callable[[Any, Any], Any], Any, Any, Any], tuple[Any, SparsePath]]
 """(SGLang's ``init_forward_metadata``, backend, real batch, its split view's batch) -> (the
