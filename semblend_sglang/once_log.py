@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 
+NORMAL_PREFILL = "the request falls back to a normal prefill"
+
 
 class OnceLog:
     """Logs a failure once per (``where``, exception type) on ``logger``; thread-safe. Used by
-    the provider and the SGLang runtime, whose callers then fall back to the normal path."""
+    every fail-open seam (provider, SGLang runtime, DP dispatch, vLLM connector); ``consequence``
+    names what the caller does instead, and the caller does it: this class only logs."""
 
-    def __init__(self, logger: logging.Logger) -> None:
+    def __init__(self, logger: logging.Logger, consequence: str = NORMAL_PREFILL) -> None:
         self._logger = logger
+        self._consequence = consequence
         self._lock = threading.Lock()
         self._logged: set[tuple[str, str]] = set()
 
@@ -24,10 +28,11 @@ class OnceLog:
                 return False
             self._logged.add(key)
         self._logger.warning(
-            "semblend %s failed (%s: %s); the request falls back to a normal prefill",
+            "semblend %s failed (%s: %s); %s",
             where,
             type(exc).__name__,
             exc,
+            self._consequence,
             exc_info=exc,
         )
         return True

@@ -28,6 +28,7 @@ from typing import Any
 from semblend_sglang.config import Config
 from semblend_sglang.dispatch import DonorRouter, Route
 from semblend_sglang.namespace import Namespace
+from semblend_sglang.once_log import OnceLog
 
 from .request_info import namespace_for
 
@@ -97,7 +98,7 @@ class DonorAwareDispatch:
         self.errors = 0
         self.dispatched = 0
         self.flushes = 0
-        self._logged: set[str] = set()
+        self._failures = OnceLog(logger, "SGLang's own method decides")
         self._sent_to: Any = None
         method = getattr(controller, "load_balance_method", None)
         self._sglang_counts_budget = getattr(method, "name", "") in (
@@ -212,15 +213,7 @@ class DonorAwareDispatch:
 
     def _fail(self, where: str, exc: BaseException) -> None:
         self.errors += 1
-        if where not in self._logged:
-            self._logged.add(where)
-            logger.warning(
-                "semblend dispatch %s failed (%s: %s); SGLang's own method decides",
-                where,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
+        self._failures.log(f"dispatch {where}", exc)
 
 
 class _Capture(threading.local):

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from semblend_sglang.config import ConfigError
 from semblend_sglang.kernels import RopeSpec
+from semblend_sglang.once_log import OnceLog
 
 from . import SUPPORTED_VLLM, installed_vllm_version
 from .metadata import SemBlendConnectorMetadata
@@ -142,7 +143,7 @@ class SemBlendConnector(KVConnectorBase_V1):
         cache_config = vllm_config.cache_config
         self.block_size = int(cache_config.block_size)
         self.errors: dict[str, int] = {}
-        self._logged: set[str] = set()
+        self._failures = OnceLog(logger, "continuing without it")
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         model_config = getattr(vllm_config, "model_config", None)
@@ -198,16 +199,7 @@ class SemBlendConnector(KVConnectorBase_V1):
     def _record_error(self, where: str, exc: BaseException) -> None:
         """Count an error in semblend's path; log it once per (where, exception type)."""
         self.errors[where] = self.errors.get(where, 0) + 1
-        key = f"{where}:{type(exc).__name__}"
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.warning(
-                "semblend: %s failed (%s: %s); continuing without it",
-                where,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
+        self._failures.log(where, exc)
 
     # ------------------------------------------------------------------ scheduler side
     @property
