@@ -21,6 +21,8 @@ An ordinary request is the special case positions = ``[m_i, n_i)`` (cold: ``m_i 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -30,40 +32,52 @@ tensor of the whole row (SGLang's own form): on CPU a boolean mask costs about t
 kernel per query row (docs/kernels.md), so past about half the row the masked form is slower."""
 
 
-def _starts(extend_seq_lens: list[int], extend_start_loc: torch.Tensor | None) -> list[int]:
-    if extend_start_loc is not None:
-        return [int(x) for x in extend_start_loc.tolist()]
-    starts, acc = [], 0
-    for c in extend_seq_lens:
-        starts.append(acc)
-        acc += c
-    return starts
+@dataclass(frozen=True)
+class ExtendRows:
+    """Where one EXTEND batch's keys are and which positions it computes: the module contract's
+    fields (``extend_start_loc`` None = the running sum of ``extend_seq_lens``).
 
+    Built by the attention hooks from SGLang's ForwardBatch and by tests; the kernels here and in
+    :mod:`.sparse_extend_triton` only read it.
+    """
 
-def _check_batch(
-    q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-) -> None:
-    b = seq_lens.shape[0]
-    if extend_seq_lens.shape[0] != b or req_pool_indices.shape[0] != b:
-        raise ValueError("seq_lens, extend_seq_lens and req_pool_indices differ in batch size")
-    if positions.shape[0] != q.shape[0]:
-        raise ValueError(f"positions has {positions.shape[0]} entries for {q.shape[0]} queries")
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    positions: torch.Tensor
+    extend_start_loc: torch.Tensor | None = None
+
+    def lens(self) -> list[int]:
+        """Computed tokens per request."""
+        return [int(x) for x in self.extend_seq_lens.tolist()]
+
+    def starts(self) -> list[int]:
+        """Offset of each request's first computed token in ``q`` and ``positions``."""
+        if self.extend_start_loc is not None:
+            return [int(x) for x in self.extend_start_loc.tolist()]
+        starts, acc = [], 0
+        for c in self.lens():
+            starts.append(acc)
+            acc += c
+        return starts
+
+    def check_shapes(self, n_queries: int) -> None:
+        """ValueError when the per-request fields differ in batch size or ``positions`` does
+        not hold one entry per query."""
+        b = self.seq_lens.shape[0]
+        if self.extend_seq_lens.shape[0] != b or self.req_pool_indices.shape[0] != b:
+            raise ValueError("seq_lens, extend_seq_lens and req_pool_indices differ in batch size")
+        n_positions = self.positions.shape[0]
+        if n_positions != n_queries:
+            raise ValueError(f"positions has {n_positions} entries for {n_queries} queries")
 
 
 def extend_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    extend_start_loc: torch.Tensor | None = None,
+    rows: ExtendRows,
     *,
     scaling: float | None = None,
     causal: bool = True,
@@ -76,21 +90,21 @@ def extend_attention_reference(
     ``j < n`` with ``causal=False``). Returns [T, Hq, Dv] in ``q.dtype``; validates the positions
     (raises ValueError when one is outside ``[0, n_i)``, repeated or out of order).
     """
-    _check_batch(q, seq_lens, extend_seq_lens, positions, req_pool_indices)
+    rows.check_shapes(q.shape[0])
     hq, hkv = q.shape[1], k_cache.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.zeros(q.shape[0], hq, v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    lens = [int(x) for x in extend_seq_lens.tolist()]
-    for i, start in enumerate(_starts(lens, extend_start_loc)):
-        c, n = lens[i], int(seq_lens[i])
+    lens = rows.lens()
+    for i, start in enumerate(rows.starts()):
+        c, n = lens[i], int(rows.seq_lens[i])
         if c == 0:
             continue
-        pos = positions[start : start + c].to(torch.int64)
+        pos = rows.positions[start : start + c].to(torch.int64)
         if int(pos.min()) < 0 or int(pos.max()) >= n or bool((pos[1:] <= pos[:-1]).any()):
             raise ValueError(f"request {i}: positions must be distinct, ascending and < {n}")
-        slots = req_to_token[int(req_pool_indices[i]), :n].to(torch.int64)
+        slots = rows.req_to_token[int(rows.req_pool_indices[i]), :n].to(torch.int64)
         k = k_cache[slots].to(torch.float64).repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
         v = v_cache[slots].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
         qi = q[start : start + c].to(torch.float64)  # [c, Hq, D]
@@ -108,12 +122,7 @@ def extend_attention_query_only(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     output: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    extend_start_loc: torch.Tensor | None = None,
+    rows: ExtendRows,
     *,
     scaling: float | None = None,
     enable_gqa: bool = False,
@@ -135,20 +144,20 @@ def extend_attention_query_only(
 
     Positions are trusted (see the module contract); they are not validated here.
     """
-    _check_batch(q, seq_lens, extend_seq_lens, positions, req_pool_indices)
-    lens = [int(x) for x in extend_seq_lens.tolist()]
-    n_list = [int(x) for x in seq_lens.tolist()]
-    rows = [int(x) for x in req_pool_indices.tolist()]
+    rows.check_shapes(q.shape[0])
+    lens = rows.lens()
+    n_list = [int(x) for x in rows.seq_lens.tolist()]
+    pool_rows = [int(x) for x in rows.req_pool_indices.tolist()]
     q_hnd = q.movedim(0, 1)  # [Hq, T, D] view
-    for i, start in enumerate(_starts(lens, extend_start_loc)):
+    for i, start in enumerate(rows.starts()):
         c, n = lens[i], n_list[i]
         if c == 0:
             continue
         end = start + c
-        slots = req_to_token[rows[i], :n]
+        slots = rows.req_to_token[pool_rows[i], :n]
         k = k_cache[slots].movedim(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, n, D]
         v = v_cache[slots].movedim(0, 1).unsqueeze(0).to(q.dtype)
-        pos = positions[start:end]
+        pos = rows.positions[start:end]
         if c >= dense_fraction * n:
             if c == n:
                 qi = q_hnd[:, start:end]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sparse_extend import ExtendRows
+
 IS_CAUSAL = True
 """``is_causal`` for ``extend_attention_fwd`` with :class:`SparseExtendMetadata` (module doc)."""
 
@@ -53,14 +55,7 @@ class SparseExtendMetadata:
     max_extend_len: int
 
 
-def build_sparse_extend_metadata(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    extend_start_loc: torch.Tensor | None = None,
-) -> SparseExtendMetadata:
+def build_sparse_extend_metadata(rows: ExtendRows) -> SparseExtendMetadata:
     """Build the kernel metadata for a batch under the module contract (any mix of requests).
 
     Computed tokens must be laid out request after request (``extend_start_loc`` = running sum
@@ -68,18 +63,18 @@ def build_sparse_extend_metadata(
     request's positions are not distinct, ascending and ``< n_i``, or it has no computed token.
     The outputs live on ``req_to_token``'s device.
     """
-    device = req_to_token.device
-    lens = [int(x) for x in extend_seq_lens.tolist()]
-    n_list = [int(x) for x in seq_lens.tolist()]
-    rows = [int(x) for x in req_pool_indices.tolist()]
+    device = rows.req_to_token.device
+    lens = rows.lens()
+    n_list = [int(x) for x in rows.seq_lens.tolist()]
+    pool_rows = [int(x) for x in rows.req_pool_indices.tolist()]
     starts = [0]
     for c in lens:
         starts.append(starts[-1] + c)
-    if extend_start_loc is not None and [int(x) for x in extend_start_loc.tolist()] != starts[:-1]:
+    if rows.starts() != starts[:-1]:
         raise ValueError("computed tokens must be packed request after request")
-    if positions.shape[0] != starts[-1]:
-        raise ValueError(f"positions has {positions.shape[0]} entries for {starts[-1]} tokens")
-    pos_all = positions.to(device=device, dtype=torch.int64)
+    if rows.positions.shape[0] != starts[-1]:
+        raise ValueError(f"positions has {rows.positions.shape[0]} entries for {starts[-1]} tokens")
+    pos_all = rows.positions.to(device=device, dtype=torch.int64)
     kv_parts: list[torch.Tensor] = []
     mask_parts: list[torch.Tensor] = []
     kv_counts: list[int] = []
@@ -94,7 +89,7 @@ def build_sparse_extend_metadata(
         cached = torch.ones(last, dtype=torch.bool, device=device)
         cached[pos[:-1]] = False  # pos[:-1] < last
         prefix_pos = torch.nonzero(cached).flatten()
-        kv_parts.append(req_to_token[rows[i], prefix_pos].to(torch.int64))
+        kv_parts.append(rows.req_to_token[pool_rows[i], prefix_pos].to(torch.int64))
         prefix_mask = prefix_pos[None, :] <= pos[:, None]  # [c, p]
         extend_mask = torch.ones(c, c, dtype=torch.bool, device=device).tril_()
         mask_parts.append(torch.cat([prefix_mask, extend_mask], dim=1).flatten())

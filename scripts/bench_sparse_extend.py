@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from semblend_sglang.cpu_runtime import ensure_torchvision_importable
-from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
+from semblend_sglang.kernels.sparse_extend import ExtendRows, extend_attention_query_only
 
 HQ, HKV, D, N = 9, 3, 64, 2048
 
@@ -71,7 +71,7 @@ def main() -> None:
 
         def go() -> None:
             extend_attention_query_only(
-                q, k_cache, v_cache, out, req_to_token, one, seq, ext, pos,
+                q, k_cache, v_cache, out, ExtendRows(req_to_token, one, seq, ext, pos),
                 scaling=D**-0.5, enable_gqa=True,
             )  # fmt: skip
 

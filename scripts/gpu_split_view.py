@@ -6,8 +6,9 @@ on long sparse requests beside an exact hit computing as many tokens (the floor)
 Runs on the GPU machine from the repo root with .gpu/ carried, as built here by
 scripts/gpu_split_view_kit.sh: sglang 0.5.23's kernel files verbatim, import shims for the two
 sglang modules they import at load time (env flags off, CUDA probes), and copies of this repo's
-split_view.py, sparse_extend.py, sparse_extend_triton.py and tests/sparse_extend_batches.py
-(torch only). Writes $OUT/split_view_gpu.json; recorded in docs/perf.md ("Split view on a GPU").
+torch-only modules at their package paths (split_view.py, wrapping.py, sparse_extend.py,
+sparse_extend_triton.py, tests/sparse_extend_batches.py). Writes $OUT/split_view_gpu.json;
+recorded in docs/perf.md ("Split view on a GPU").
 
     bash scripts/gpu_split_view_kit.sh && python3 scripts/gpu_split_view.py
 """
@@ -23,10 +24,11 @@ sys.path[:0] = [".gpu/site", ".gpu"]
 import torch  # noqa: E402
 import triton  # noqa: E402
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: E402
-from sparse_extend_batches import random_batch  # noqa: E402
-from sparse_extend_ref import extend_attention_reference  # noqa: E402
-from sparse_extend_triton import build_sparse_extend_metadata  # noqa: E402
-from split_view import split_sequences  # noqa: E402
+
+from semblend_sglang.kernels.sparse_extend import extend_attention_reference  # noqa: E402
+from semblend_sglang.kernels.sparse_extend_triton import build_sparse_extend_metadata  # noqa: E402
+from semblend_sglang.patches.sglang.split_view import split_sequences  # noqa: E402
+from tests.sparse_extend_batches import random_batch  # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = os.environ.get("OUT", ".")
@@ -86,9 +88,7 @@ def run_split(b, out, scale):
 
 
 def run_mask(b, out, scale, md=None):
-    md = md or build_sparse_extend_metadata(
-        b.req_to_token, b.req_pool_indices, b.seq_lens, b.extend_seq_lens, b.positions
-    )
+    md = md or build_sparse_extend_metadata(b.rows())
     extend_attention_fwd(
         b.q,
         b.k,
@@ -136,11 +136,7 @@ def correctness():
                 b.q.double(),
                 b.k_cache.double(),
                 b.v_cache.double(),
-                b.req_to_token,
-                b.req_pool_indices,
-                b.seq_lens,
-                b.extend_seq_lens,
-                b.positions,
+                b.rows(),
                 scaling=scale,
             )
             s = run_split(b, torch.full_like(b.q, float("nan")), scale).double()
@@ -217,9 +213,7 @@ def timing():
             for runs in (4, 16, 64, 256):
                 b = long_batch(n, runs, 0.15, n_req)
                 out = torch.empty_like(b.q)
-                md = build_sparse_extend_metadata(
-                    b.req_to_token, b.req_pool_indices, b.seq_lens, b.extend_seq_lens, b.positions
-                )
+                md = build_sparse_extend_metadata(b.rows())
                 t_split = triton.testing.do_bench(
                     functools.partial(run_split, b, out, scale), warmup=10, rep=50
                 )

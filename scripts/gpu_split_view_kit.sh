@@ -54,7 +54,14 @@ def is_gfx1250_supported():
 def get_device_core_count(device_id=0):
     return torch.cuda.get_device_properties(device_id).multi_processor_count
 PY
-cp patches/sglang/split_view.py kernels/sparse_extend_triton.py \
-    tests/sparse_extend_batches.py .gpu/
-cp kernels/sparse_extend.py .gpu/sparse_extend_ref.py
+# This repository's torch-only modules, at their package paths (empty __init__ files: the real
+# ones import sglang); the check imports them as semblend_sglang.* and tests.*.
+pkg=.gpu/site/semblend_sglang
+mkdir -p "$pkg/kernels" "$pkg/patches/sglang" .gpu/site/tests
+for d in "$pkg" "$pkg/kernels" "$pkg/patches" "$pkg/patches/sglang" .gpu/site/tests; do
+    touch "$d/__init__.py"
+done
+cp kernels/sparse_extend.py kernels/sparse_extend_triton.py "$pkg/kernels/"
+cp patches/sglang/split_view.py patches/sglang/wrapping.py "$pkg/patches/sglang/"
+cp tests/sparse_extend_batches.py .gpu/site/tests/
 echo "built .gpu ($(du -sh .gpu | cut -f1))"

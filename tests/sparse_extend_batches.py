@@ -9,9 +9,12 @@ Rows are random distinct pool slots (whole random pages at a page size > 1).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from semblend_sglang.kernels.sparse_extend import ExtendRows
 
 KINDS = ("cold", "exact", "sparse", "sparse_chunk")
 
@@ -34,15 +37,16 @@ class Batch:
     out_cache_loc: torch.Tensor  # int64 [T]
     kinds: list[str]
 
-    def args(self) -> tuple[torch.Tensor, ...]:
-        """(req_to_token, req_pool_indices, seq_lens, extend_seq_lens, positions)."""
-        return (
+    def rows(self, **change: torch.Tensor | None) -> ExtendRows:
+        """The batch's :class:`ExtendRows`, with the fields named in ``change`` replaced."""
+        rows = ExtendRows(
             self.req_to_token,
             self.req_pool_indices,
             self.seq_lens,
             self.extend_seq_lens,
             self.positions,
         )
+        return dataclasses.replace(rows, **change)
 
 
 def _positions(kind: str, n: int, g: torch.Generator) -> tuple[int, torch.Tensor]:

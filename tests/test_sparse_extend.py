@@ -15,7 +15,7 @@ from tests.sparse_extend_batches import random_batch
 ATOL = 2e-5  # float32 SDPA against a float64 oracle, |v| ~ 1
 
 
-def _query_only(batch, **kw):  # type: ignore[no-untyped-def]
+def _query_only(batch, extend_start_loc=None, **kw):  # type: ignore[no-untyped-def]
     out = torch.full_like(batch.q, float("nan"))
     hq, hkv = batch.q.shape[1], batch.k_cache.shape[1]
     return extend_attention_query_only(
@@ -23,7 +23,7 @@ def _query_only(batch, **kw):  # type: ignore[no-untyped-def]
         batch.k_cache,
         batch.v_cache,
         out,
-        *batch.args(),
+        batch.rows(extend_start_loc=extend_start_loc),
         enable_gqa=hq != hkv,
         **kw,
     )
@@ -38,7 +38,7 @@ def test_query_only_matches_reference(seed: int, dense_fraction: float):
     """Mixes of cold / exact / sparse requests, MHA and GQA (by seed), each per-request form
     (0.0: all scattered causal; 2.0: all masked query-only; 0.5: the default split)."""
     batch = random_batch(seed, n_requests=5, heads=HEADS[seed % 3])
-    ref = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *batch.args())
+    ref = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.rows())
     out = _query_only(batch, dense_fraction=dense_fraction)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
@@ -48,7 +48,7 @@ def test_scaling_and_non_causal(seed: int):
     batch = random_batch(seed, heads=(6, 3))
     for causal in (True, False):
         ref = extend_attention_reference(
-            batch.q, batch.k_cache, batch.v_cache, *batch.args(), scaling=0.3, causal=causal
+            batch.q, batch.k_cache, batch.v_cache, batch.rows(), scaling=0.3, causal=causal
         )
         out = _query_only(batch, scaling=0.3, causal=causal)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
@@ -60,9 +60,9 @@ def test_reference_masks_by_position_not_index():
     batch = random_batch(0, n_requests=1, kinds=("sparse",), max_len=40)
     m, c = int(batch.extend_prefix_lens[0]), int(batch.extend_seq_lens[0])
     assert m + c != int(batch.seq_lens[0])
-    ref = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *batch.args())
-    index_causal = (*batch.args()[:-1], torch.arange(m, m + c))
-    wrong = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *index_causal)
+    ref = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.rows())
+    index_causal = batch.rows(positions=torch.arange(m, m + c))
+    wrong = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, index_causal)
     assert (ref - wrong).abs().max() > 1e-3
 
 
@@ -92,19 +92,17 @@ def test_reference_rejects_bad_positions():
     batch = random_batch(3, n_requests=1, kinds=("sparse",))
     bad = batch.positions.clone()
     bad[-1] = int(batch.seq_lens[0])
-    args = (*batch.args()[:-1], bad)
     with pytest.raises(ValueError, match="ascending"):
-        extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *args)
+        extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.rows(positions=bad))
+    short = batch.rows(positions=batch.positions[:-1])
     with pytest.raises(ValueError, match="positions"):
-        extend_attention_reference(
-            batch.q, batch.k_cache, batch.v_cache, *batch.args()[:-1], batch.positions[:-1]
-        )
+        extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, short)
 
 
 def test_extend_start_loc_is_honoured():
     """Queries may sit at explicit offsets (SGLang's extend_start_loc)."""
     batch = random_batch(4, n_requests=3, heads=(4, 2))
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), batch.extend_seq_lens.cumsum(0)[:-1]])
-    ref = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *batch.args())
+    ref = extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.rows())
     out = _query_only(batch, extend_start_loc=starts)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)

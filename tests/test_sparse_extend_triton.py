@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from semblend_sglang.kernels.sparse_extend import ExtendRows
 from semblend_sglang.kernels.sparse_extend_triton import (
     IS_CAUSAL,
     SKIP_PREFIX_CUSTOM_MASK,
@@ -90,7 +91,7 @@ def test_kernel_with_sparse_metadata_matches_reference(
 ):
     heads = [(2, 1), (2, 2), (4, 1)][seed]
     batch = random_batch(seed, n_requests=4, max_len=32, heads=heads)
-    md = build_sparse_extend_metadata(*batch.args())
+    md = build_sparse_extend_metadata(batch.rows())
     out = _run(extend_attention_fwd, batch, md, skip_prefix_custom_mask=SKIP_PREFIX_CUSTOM_MASK)
     torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=0)
 
@@ -103,7 +104,7 @@ def test_is_causal_false_gives_the_same(extend_attention_fwd: Callable[..., Any]
         5, n_requests=2, min_len=34, max_len=40, heads=(1, 1), kinds=("cold", "sparse")
     )
     assert int(batch.extend_seq_lens.max()) > 2 * BLOCK  # three query tiles
-    md = build_sparse_extend_metadata(*batch.args())
+    md = build_sparse_extend_metadata(batch.rows())
     a = _run(extend_attention_fwd, batch, md, skip_prefix_custom_mask=False, is_causal=True)
     b = _run(extend_attention_fwd, batch, md, skip_prefix_custom_mask=False, is_causal=False)
     torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
@@ -115,7 +116,7 @@ def test_shipped_default_skips_the_prefix_mask(extend_attention_fwd: Callable[..
     """With sglang's default skip_prefix_custom_mask=True every prefix key is visible: wrong for
     a sparse request (a reused key after a query's position leaks in)."""
     batch = random_batch(6, n_requests=1, max_len=32, heads=(1, 1), kinds=("sparse",))
-    md = build_sparse_extend_metadata(*batch.args())
+    md = build_sparse_extend_metadata(batch.rows())
     out = _run(extend_attention_fwd, batch, md)  # default skip_prefix_custom_mask=True
     assert (out - reference(batch)).abs().max() > 1e-3
 
@@ -125,11 +126,13 @@ def test_metadata_layout():
     7 lie past the last query, never visible)."""
     req_to_token = torch.arange(100, 108, dtype=torch.int32)[None, :]
     md = build_sparse_extend_metadata(
-        req_to_token,
-        torch.tensor([0]),
-        torch.tensor([8]),
-        torch.tensor([3]),
-        torch.tensor([0, 3, 5]),
+        ExtendRows(
+            req_to_token,
+            torch.tensor([0]),
+            torch.tensor([8]),
+            torch.tensor([3]),
+            torch.tensor([0, 3, 5]),
+        )
     )
     assert md.kv_indices.tolist() == [101, 102, 104]
     assert md.kv_indptr.tolist() == [0, 3] and md.qo_indptr.tolist() == [0, 3]
@@ -145,9 +148,8 @@ def test_metadata_layout():
 def test_metadata_of_an_ordinary_request_is_sglangs():
     """An exact hit: prefix = row[0:m], every prefix key visible, causal extend part."""
     req_to_token = torch.arange(50, 60, dtype=torch.int32)[None, :]
-    md = build_sparse_extend_metadata(
-        req_to_token, torch.tensor([0]), torch.tensor([10]), torch.tensor([3]), torch.arange(7, 10)
-    )
+    one = (req_to_token, torch.tensor([0]), torch.tensor([10]), torch.tensor([3]))
+    md = build_sparse_extend_metadata(ExtendRows(*one, torch.arange(7, 10)))
     assert md.kv_indices.tolist() == list(range(50, 57))
     mask = md.custom_mask.view(3, 10)
     assert bool(mask[:, :7].all()) and mask[:, 7:].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
@@ -157,11 +159,11 @@ def test_metadata_rejects_bad_batches():
     r2t = torch.arange(8, dtype=torch.int32)[None, :]
     one = (r2t, torch.tensor([0]), torch.tensor([8]), torch.tensor([2]))
     with pytest.raises(ValueError, match="ascending"):
-        build_sparse_extend_metadata(*one, torch.tensor([5, 3]))
+        build_sparse_extend_metadata(ExtendRows(*one, torch.tensor([5, 3])))
     with pytest.raises(ValueError, match="ascending"):
-        build_sparse_extend_metadata(*one, torch.tensor([3, 8]))
+        build_sparse_extend_metadata(ExtendRows(*one, torch.tensor([3, 8])))
     with pytest.raises(ValueError, match="packed"):
-        build_sparse_extend_metadata(*one, torch.tensor([3, 5]), torch.tensor([1]))
+        build_sparse_extend_metadata(ExtendRows(*one, torch.tensor([3, 5]), torch.tensor([1])))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from semblend_sglang.kernels.sparse_extend import extend_attention_query_only
+from semblend_sglang.kernels.sparse_extend import ExtendRows, extend_attention_query_only
 
 from .split_view import (
     HookedBackend,
@@ -138,11 +138,7 @@ def torch_native_wrappers(native: type, serves: Serves) -> Wrappers:
                 k_cache,
                 v_cache,
                 output,
-                req_to_token,
-                req_pool_indices,
-                seq_lens,
-                extend_seq_lens,
-                active[0],
+                ExtendRows(req_to_token, req_pool_indices, seq_lens, extend_seq_lens, active[0]),
                 scaling=scaling,
                 enable_gqa=enable_gqa,
                 causal=True,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from semblend_sglang.config import SPARSE_PATHS
+from semblend_sglang.kernels.sparse_extend import ExtendRows
 from semblend_sglang.kernels.sparse_extend_triton import (
     SKIP_PREFIX_CUSTOM_MASK,
     build_sparse_extend_metadata,
@@ -104,11 +105,13 @@ def _mask_metadata(backend: Any, forward_batch: Any) -> None:
     if info is None:
         raise SparseExtendUnsupported("triton: sparse extend without query positions")
     md = build_sparse_extend_metadata(
-        backend.req_to_token,
-        forward_batch.req_pool_indices,
-        forward_batch.seq_lens,
-        forward_batch.extend_seq_lens,
-        info[0],
+        ExtendRows(
+            backend.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.extend_seq_lens,
+            info[0],
+        )
     )
     meta = backend.forward_metadata
     backend.forward_metadata = dataclasses.replace(

@@ -135,4 +135,4 @@ def forward(batch: Batch, *, fb: Any = None, **layer_kw: Any) -> torch.Tensor:
 
 def reference(batch: Batch) -> torch.Tensor:
     """The dense float64 reference with an explicit position mask."""
-    return extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, *batch.args())
+    return extend_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.rows())
