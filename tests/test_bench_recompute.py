@@ -141,7 +141,8 @@ def test_gate_declines_and_recomputed_tokens_land_in_their_own_cell() -> None:
     assert gated_line.split()[-5:-1] == ["heads", "5%", "100", "1"]
     assert settings_lines(runner.configs) == [
         "exact_spans: recompute_strategy=heads recompute_ratio=0.05 recompute_check_layer=1 "
-        "recompute_recheck_depth=0.5 recompute_check_share=0.15 recompute_check_max_spans=1 "
+        "recompute_recheck_depth=0.5 recompute_recheck_width=3.0 recompute_check_share=0.15 "
+        "recompute_check_max_spans=1 "
         "recompute_check_span_limit=128 "
         "recompute_min_deviation=0.0001 "
         "quality_gate=0.0"
@@ -167,7 +168,8 @@ def test_a_server_without_the_recompute_keys_reports_them_unknown_and_zero() -> 
     assert recompute_label(row) == "? ?"
     assert settings_lines({"exact_spans": {"mode": "exact_spans"}}) == [
         "exact_spans: recompute_strategy=? recompute_ratio=? recompute_check_layer=? "
-        "recompute_recheck_depth=? recompute_check_share=? recompute_check_max_spans=? "
+        "recompute_recheck_depth=? recompute_recheck_width=? recompute_check_share=? "
+        "recompute_check_max_spans=? "
         "recompute_check_span_limit=? "
         "recompute_min_deviation=? "
         "quality_gate=?"

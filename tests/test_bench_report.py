@@ -215,7 +215,8 @@ def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Pa
     assert template[-1] == "1"  # the gate's one decline
     assert lines.index(
         "exact_spans: recompute_strategy=deviation recompute_ratio=0.15 recompute_check_layer=1 "
-        "recompute_recheck_depth=0.5 recompute_check_share=0.15 recompute_check_max_spans=1 "
+        "recompute_recheck_depth=0.5 recompute_recheck_width=3.0 recompute_check_share=0.15 "
+        "recompute_check_max_spans=1 "
         "recompute_check_span_limit=128 "
         "recompute_min_deviation=0.0001 "
         "quality_gate=0.0"

@@ -47,6 +47,7 @@ RECOMPUTE_SETTINGS = (
     "recompute_ratio",
     "recompute_check_layer",
     "recompute_recheck_depth",
+    "recompute_recheck_width",
     "recompute_check_share",
     "recompute_check_max_spans",
     "recompute_check_span_limit",
