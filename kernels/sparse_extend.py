@@ -22,6 +22,7 @@ An ordinary request is the special case positions = ``[m_i, n_i)`` (cold: ``m_i 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -52,15 +53,24 @@ class ExtendRows:
         """Computed tokens per request."""
         return [int(x) for x in self.extend_seq_lens.tolist()]
 
+    def row_lens(self) -> list[int]:
+        """Keys per request: its whole row, ``seq_lens``."""
+        return [int(x) for x in self.seq_lens.tolist()]
+
+    def pool_rows(self) -> list[int]:
+        """Each request's row of ``req_to_token``."""
+        return [int(x) for x in self.req_pool_indices.tolist()]
+
+    def packed_starts(self) -> list[int]:
+        """The running sum of :meth:`lens`, the total appended: where each request's computed
+        tokens start when they are packed request after request, as SGLang lays them out."""
+        return list(accumulate(self.lens(), initial=0))
+
     def starts(self) -> list[int]:
         """Offset of each request's first computed token in ``q`` and ``positions``."""
         if self.extend_start_loc is not None:
             return [int(x) for x in self.extend_start_loc.tolist()]
-        starts, acc = [], 0
-        for c in self.lens():
-            starts.append(acc)
-            acc += c
-        return starts
+        return self.packed_starts()[:-1]
 
     def check_shapes(self, n_queries: int) -> None:
         """ValueError when the per-request fields differ in batch size or ``positions`` does
@@ -146,8 +156,8 @@ def extend_attention_query_only(
     """
     rows.check_shapes(q.shape[0])
     lens = rows.lens()
-    n_list = [int(x) for x in rows.seq_lens.tolist()]
-    pool_rows = [int(x) for x in rows.req_pool_indices.tolist()]
+    n_list = rows.row_lens()
+    pool_rows = rows.pool_rows()
     q_hnd = q.movedim(0, 1)  # [Hq, T, D] view
     for i, start in enumerate(rows.starts()):
         c, n = lens[i], n_list[i]

@@ -65,12 +65,10 @@ def build_sparse_extend_metadata(rows: ExtendRows) -> SparseExtendMetadata:
     """
     device = rows.req_to_token.device
     lens = rows.lens()
-    n_list = [int(x) for x in rows.seq_lens.tolist()]
-    pool_rows = [int(x) for x in rows.req_pool_indices.tolist()]
-    starts = [0]
-    for c in lens:
-        starts.append(starts[-1] + c)
-    if rows.starts() != starts[:-1]:
+    n_list = rows.row_lens()
+    pool_rows = rows.pool_rows()
+    starts = rows.packed_starts()
+    if rows.extend_start_loc is not None and rows.starts() != starts[:-1]:
         raise ValueError("computed tokens must be packed request after request")
     if rows.positions.shape[0] != starts[-1]:
         raise ValueError(f"positions has {rows.positions.shape[0]} entries for {starts[-1]} tokens")
