@@ -20,7 +20,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-sys.path[:0] = [".gpu/site", ".gpu"]
+sys.path[:0] = [".gpu/site"]
 import torch  # noqa: E402
 import triton  # noqa: E402
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: E402

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Builds .gpu/ (git-ignored) for scripts/gpu_split_view.py on a GPU machine without sglang:
-# sglang 0.5.23's Triton extend kernel files verbatim from .venv, two import shims, and copies of
-# the torch-only modules the check imports. Carry .gpu with the device run.
+# Builds .gpu/ (git-ignored; or the folder named by $1, which tests/test_gpu_split_view_kit.py
+# uses) for scripts/gpu_split_view.py on a GPU machine without sglang: sglang 0.5.23's Triton
+# extend kernel files verbatim from .venv, two import shims, and copies of the torch-only modules
+# the check imports. Carry .gpu with the device run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-grep -qx "/.gpu/" .git/info/exclude || echo "/.gpu/" >> .git/info/exclude
+kit=${1:-.gpu}
+if [ "$kit" = .gpu ]; then
+    grep -qx "/.gpu/" .git/info/exclude || echo "/.gpu/" >> .git/info/exclude
+fi
 src=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])")
-rm -rf .gpu
-mkdir -p .gpu/site/sglang/kernels/ops/attention .gpu/site/sglang/srt
+rm -rf "$kit"
+mkdir -p "$kit/site/sglang/kernels/ops/attention" "$kit/site/sglang/srt"
 for f in extend_attention.py decode_attention.py score_mod.py; do
-    cp "$src/kernels/ops/attention/$f" .gpu/site/sglang/kernels/ops/attention/
+    cp "$src/kernels/ops/attention/$f" "$kit/site/sglang/kernels/ops/attention/"
 done
 for d in sglang sglang/kernels sglang/kernels/ops sglang/kernels/ops/attention sglang/srt; do
-    touch ".gpu/site/$d/__init__.py"
+    touch "$kit/site/$d/__init__.py"
 done
-cat > .gpu/site/sglang/srt/environ.py <<'PY'
+cat > "$kit/site/sglang/srt/environ.py" <<'PY'
 """Import shim for the GPU check only: every sglang env flag reads as unset (off)."""
 
 
@@ -30,7 +34,7 @@ class _Envs:
 
 envs = _Envs()
 PY
-cat > .gpu/site/sglang/srt/utils.py <<'PY'
+cat > "$kit/site/sglang/srt/utils.py" <<'PY'
 """Import shim for the GPU check only: the platform probes the kernel files read."""
 import torch
 
@@ -56,12 +60,12 @@ def get_device_core_count(device_id=0):
 PY
 # This repository's torch-only modules, at their package paths (empty __init__ files: the real
 # ones import sglang); the check imports them as semblend_sglang.* and tests.*.
-pkg=.gpu/site/semblend_sglang
-mkdir -p "$pkg/kernels" "$pkg/patches/sglang" .gpu/site/tests
-for d in "$pkg" "$pkg/kernels" "$pkg/patches" "$pkg/patches/sglang" .gpu/site/tests; do
+pkg=$kit/site/semblend_sglang
+mkdir -p "$pkg/kernels" "$pkg/patches/sglang" "$kit/site/tests"
+for d in "$pkg" "$pkg/kernels" "$pkg/patches" "$pkg/patches/sglang" "$kit/site/tests"; do
     touch "$d/__init__.py"
 done
 cp kernels/sparse_extend.py kernels/sparse_extend_triton.py "$pkg/kernels/"
 cp patches/sglang/split_view.py patches/sglang/wrapping.py "$pkg/patches/sglang/"
-cp tests/sparse_extend_batches.py .gpu/site/tests/
-echo "built .gpu ($(du -sh .gpu | cut -f1))"
+cp tests/sparse_extend_batches.py "$kit/site/tests/"
+echo "built $kit ($(du -sh "$kit" | cut -f1))"
