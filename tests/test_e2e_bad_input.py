@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from semblend_sglang.bench.client import health_generate
-from semblend_sglang.server import SglangServer
-from tests.harness.server import generate, healthy_server, semblend_totals
+from semblend_sglang.server import ServerSpec, SglangServer
+from tests.harness.server import SERVER_BATCH, ServerBatches, generate, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
@@ -179,20 +179,39 @@ def _disconnect_mid_request(
     conn.close()
 
 
-@pytest.fixture(scope="module", params=["on", "off"])
-def server(
-    request: pytest.FixtureRequest,
-    smollm2_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[str, SglangServer]]:
-    """A real server with semblend on (default settings) or off (``SEMBLEND_ENABLED=0``: the
-    plugin installs the request guard only), at a 1,024-token context; one at a time."""
-    mode = request.param
-    log = tmp_path_factory.mktemp(f"bad-input-{mode}") / "server.log"
-    env = {"SEMBLEND_ENABLED": "1" if mode == "on" else "0"}
+MODES = ("on", "off")
+"""semblend on (default settings) or off (``SEMBLEND_ENABLED=0``: the plugin installs the request
+guard only)."""
+
+
+@pytest.fixture(scope="module")
+def servers(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerBatches]:
+    """A real server per :data:`MODES` at a 1,024-token context, started
+    :data:`SERVER_BATCH` at a time."""
+    logs = tmp_path_factory.mktemp("bad-input")
     args = ["--context-length", str(CONTEXT), "--max-total-tokens", "16384"]
-    with healthy_server(smollm2_model_dir, log, env, args) as srv:
-        yield mode, srv
+    specs = {
+        mode: ServerSpec(
+            smollm2_model_dir,
+            extra_args=args,
+            env={"SEMBLEND_ENABLED": "1" if mode == "on" else "0"},
+            log_path=logs / f"{mode}.log",
+        )
+        for mode in MODES
+    }
+    batches = ServerBatches(specs, SERVER_BATCH)
+    try:
+        yield batches
+    finally:
+        batches.stop()
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(request: pytest.FixtureRequest, servers: ServerBatches) -> tuple[str, SglangServer]:
+    """The :data:`MODES` server named by the parameter, with its mode."""
+    return request.param, servers.server(request.param)
 
 
 def test_every_bad_request_gets_a_reason_and_the_server_keeps_serving(

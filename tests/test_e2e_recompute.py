@@ -24,8 +24,13 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.client import flush_cache
-from semblend_sglang.server import SglangServer
-from tests.harness.server import generate, healthy_server, semblend_totals
+from semblend_sglang.server import ServerSpec, SglangServer
+from tests.harness.server import (
+    SERVER_BATCH,
+    ServerBatches,
+    generate,
+    semblend_totals,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -78,17 +83,37 @@ SERVERS: dict[str, dict[str, str]] = {
 """The recompute settings of each server the tests start (``recompute_server``'s parameter)."""
 
 
+SERVERS_IN_TEST_ORDER = ("deviation", "sampled", "recheck", "floor", "gate")
+""":data:`SERVERS` in the order the tests below first use them (:class:`ServerBatches`)."""
+
+
 @pytest.fixture(scope="module")
+def recompute_servers(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerBatches]:
+    """Every :data:`SERVERS` semblend server, started :data:`SERVER_BATCH` at a time."""
+    logs = tmp_path_factory.mktemp("recompute")
+    specs = {
+        name: ServerSpec(
+            smollm2_model_dir,
+            env={"SEMBLEND_ENABLED": "1", **SERVERS[name]},
+            log_path=logs / f"{name}.log",
+        )
+        for name in SERVERS_IN_TEST_ORDER
+    }
+    batches = ServerBatches(specs, SERVER_BATCH)
+    try:
+        yield batches
+    finally:
+        batches.stop()
+
+
+@pytest.fixture
 def recompute_server(
-    request: pytest.FixtureRequest,
-    smollm2_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[SglangServer]:
-    """A semblend server with the :data:`SERVERS` settings named by the test's parameter."""
-    name = request.param
-    log = tmp_path_factory.mktemp(f"recompute-{name}") / "server.log"
-    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1", **SERVERS[name]}) as srv:
-        yield srv
+    request: pytest.FixtureRequest, recompute_servers: ServerBatches
+) -> SglangServer:
+    """The :data:`SERVERS` semblend server named by the test's parameter."""
+    return recompute_servers.server(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """End to end: the recompute budget of the one-pass sparse extend on every model shape the
 kernels' RopeSpec accepts, in the real SGLang 0.5.23 server on CPU.
 
-Servers, one at a time (class-scoped fixtures; a parametrized one is torn down before its next
-parameter starts):
+Servers, a few at a time (tests/harness/server.py ``ServerBatches``, in the order of the classes
+below):
 
 * a tiny random-weight model per shape (tests/harness/random_models.py: Qwen2 with theta 1e6 and
   q/k/v biases, Llama-3 scaling, YaRN, partial rotary), strategy ``deviation`` at ratio 0.3:
@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.client import flush_cache
-from semblend_sglang.server import SglangServer
+from semblend_sglang.server import ServerSpec, SglangServer
 from tests.harness.random_models import SHAPES, build_random_model
-from tests.harness.server import generate, healthy_server, semblend_totals
+from tests.harness.server import SERVER_BATCH, ServerBatches, generate, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
@@ -169,40 +169,53 @@ def _cold_run(url: str, target: list[int]) -> dict[str, Any]:
     return _answer(url, target)
 
 
+FULL_RATIO = "smollm2_full_ratio"
+"""The server of the real SmolLM2 with every reused position recomputed."""
+
+
+@pytest.fixture(scope="module")
+def recompute_servers(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerBatches]:
+    """The module's servers in the order its classes use them (each RoPE shape, the Olmo2
+    model, SmolLM2 at ratio 1), started :data:`SERVER_BATCH` at a time."""
+    logs = tmp_path_factory.mktemp("recompute-models")
+    specs = {
+        name: ServerSpec(
+            build_random_model(SHAPES[name], smollm2_model_dir),
+            env=RECOMPUTE_ENV,
+            log_path=logs / f"{name}.log",
+        )
+        for name in (*RECOMPUTE_SHAPES, UNKNOWN_CLASS_SHAPE)
+    }
+    specs[FULL_RATIO] = ServerSpec(
+        smollm2_model_dir,
+        env=dict(RECOMPUTE_ENV, SEMBLEND_RECOMPUTE_RATIO="1"),
+        log_path=logs / f"{FULL_RATIO}.log",
+    )
+    batches = ServerBatches(specs, SERVER_BATCH)
+    try:
+        yield batches
+    finally:
+        batches.stop()
+
+
 @pytest.fixture(scope="class", params=RECOMPUTE_SHAPES)
-def shape_server(
-    request: pytest.FixtureRequest,
-    smollm2_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[SglangServer]:
+def shape_server(request: pytest.FixtureRequest, recompute_servers: ServerBatches) -> SglangServer:
     """The real server on the random model of one shape, recompute env set."""
-    name: str = request.param
-    model_dir = build_random_model(SHAPES[name], smollm2_model_dir)
-    log = tmp_path_factory.mktemp(f"recompute-{name}") / "server.log"
-    with healthy_server(model_dir, log, RECOMPUTE_ENV) as server:
-        yield server
+    return recompute_servers.server(request.param)
 
 
 @pytest.fixture(scope="class")
-def unknown_server(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
+def unknown_server(recompute_servers: ServerBatches) -> SglangServer:
     """The real server on the random Olmo2 model, recompute env set."""
-    model_dir = build_random_model(SHAPES[UNKNOWN_CLASS_SHAPE], smollm2_model_dir)
-    log = tmp_path_factory.mktemp("recompute-unknown") / "server.log"
-    with healthy_server(model_dir, log, RECOMPUTE_ENV) as server:
-        yield server
+    return recompute_servers.server(UNKNOWN_CLASS_SHAPE)
 
 
 @pytest.fixture(scope="class")
-def full_ratio_server(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
+def full_ratio_server(recompute_servers: ServerBatches) -> SglangServer:
     """The real server on SmolLM2, every reused position recomputed."""
-    env = dict(RECOMPUTE_ENV, SEMBLEND_RECOMPUTE_RATIO="1")
-    log = tmp_path_factory.mktemp("recompute-full") / "server.log"
-    with healthy_server(smollm2_model_dir, log, env) as server:
-        yield server
+    return recompute_servers.server(FULL_RATIO)
 
 
 class TestRecomputeOnEachRopeShape:

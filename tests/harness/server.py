@@ -29,6 +29,9 @@ def taken_port(host: str = "127.0.0.1") -> Iterator[int]:
 HEALTHY_WITHIN_S = 600.0
 """How long a test server may take to load and answer ``/health`` (a loaded 2-core CI box)."""
 
+SERVER_BATCH = 2
+"""How many of a test module's servers :class:`ServerBatches` starts at once."""
+
 
 @contextmanager
 def healthy_server(
@@ -48,6 +51,42 @@ def healthy_server(
         yield server
     finally:
         server.stop()
+
+
+class ServerBatches:
+    """The real servers one test module needs, started ``size`` at a time.
+
+    ``specs`` names each server, in the order the module's tests first use them; they are cut
+    into batches of ``size`` in that order. :meth:`server` returns a healthy server: on the
+    first request for a name outside the running batch it stops that batch and starts the
+    name's whole batch at once (:func:`semblend_sglang.server.start_healthy`), so on 2 cores the
+    batch's imports overlap (docs/perf.md "CI wall time"). Each server keeps its own settings
+    and process; an idle one sleeps (``--sleep-on-idle``). A module fixture owns one and calls
+    :meth:`stop` at its end. Every server of a batch holds memory (about 3 GB for SmolLM2 with
+    the tests' 16,384-token pool) until the batch stops: keep ``size`` small."""
+
+    def __init__(self, specs: Mapping[str, ServerSpec], size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size}")
+        names = list(specs)
+        self._specs = dict(specs)
+        self._batches = [names[i : i + size] for i in range(0, len(names), size)]
+        self._running: dict[str, SglangServer] = {}
+
+    def server(self, name: str) -> SglangServer:
+        """The healthy server named ``name``, its batch started if it is not running."""
+        if name not in self._running:
+            batch = next(b for b in self._batches if name in b)
+            self.stop()
+            started = start_healthy([self._specs[n] for n in batch], timeout=HEALTHY_WITHIN_S)
+            self._running = dict(zip(batch, started, strict=True))
+        return self._running[name]
+
+    def stop(self) -> None:
+        """Stop every running server (each process group, also after a failed test)."""
+        running, self._running = self._running, {}
+        for server in running.values():
+            server.stop()
 
 
 SAMPLING_ARGUMENTS = frozenset({"max_new_tokens", "temperature", "custom_params"})
