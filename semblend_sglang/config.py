@@ -35,6 +35,7 @@ from .config_fields import (
     setting,
     specs_of,
 )
+from .presets import DEFAULT_PRESET, PRESETS
 from .recompute_strategy import RecomputeStrategy, ReuseMode
 
 __all__ = [
@@ -158,6 +159,13 @@ class Config:
     )
     sink_tokens: int = setting(
         4, "Tokens recomputed at the start of each reused span (attention-sink effect).", minimum=0
+    )
+    preset: str = setting(
+        DEFAULT_PRESET,
+        "Named repair settings (quality: two checks of multi-span plans; fast: one check); "
+        "a preset fills the repair settings no source sets, and a request may choose its own "
+        "(custom_params.semblend_reuse, docs/provider.md).",
+        choices=tuple(PRESETS),
     )
     recompute_strategy: RecomputeStrategy = setting(
         RecomputeStrategy.DEVIATION,
@@ -347,9 +355,13 @@ class Config:
         ``env``: a mapping of environment variables (pass ``os.environ`` explicitly; None means
         no environment source). ``json_obj``: the ``kv_connector_extra_config`` object. ``cli``:
         flag values keyed by flag (``--semblend-min-similarity``), field name, or click parameter
-        name (``semblend_min_similarity``); None values mean "not given". Raises ConfigError.
+        name (``semblend_min_similarity``); None values mean "not given". The ``preset``'s
+        repair settings (:data:`~.presets.PRESETS`) fill those no source sets. Raises
+        ConfigError.
         """
         merged, unknown = SOURCES.merge(env, json_obj, cli)
+        for name, value in PRESETS[merged.get("preset", DEFAULT_PRESET)].items():
+            merged.setdefault(name, value)
         return replace(cls(), **merged, unknown_keys=tuple(unknown))
 
     @classmethod

@@ -74,10 +74,33 @@ def test_reuse_value_error_accepts_the_documented_values(value: Any) -> None:
     assert reuse_value_error({REUSE_PARAM: value}) is None
 
 
-@pytest.mark.parametrize("value", [5, None, "yes", "OFF", 0, 1, [False], {"x": 1}])
+@pytest.mark.parametrize("value", [5, None, "yes", "OFF", 0, 1, [False]])
 def test_reuse_value_error_refuses_every_other_value(value: Any) -> None:
     error = reuse_value_error({REUSE_PARAM: value})
     assert error is not None and REUSE_PARAM in error and repr(value)[:20] in error
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ({"x": 1}, "semblend_reuse.x"),
+        ({"preset": "fastest"}, "semblend_reuse.preset"),
+        ({"recompute_ratio": 2}, "semblend_reuse.recompute_ratio"),
+        ({"recompute_strategy": "all"}, "semblend_reuse.recompute_strategy"),
+        ({"recompute_check_layer": 3}, "a server setting"),
+        ({"max_spans": 3}, "a server setting"),
+    ],
+)
+def test_reuse_value_error_names_the_bad_key_of_an_object(value: Any, named: str) -> None:
+    error = reuse_value_error({REUSE_PARAM: value})
+    assert error is not None and named in error
+
+
+@pytest.mark.parametrize(
+    "value", [{}, {"preset": "fast"}, {"recompute_ratio": 0.3, "quality_gate": 0.1}]
+)
+def test_reuse_value_error_accepts_an_object_of_repair_settings(value: Any) -> None:
+    assert reuse_value_error({REUSE_PARAM: value}) is None
 
 
 def test_reuse_value_error_ignores_absent_keys_and_other_params() -> None:

@@ -63,13 +63,12 @@ def model_runner_of(scheduler: Any) -> Any:
 
 
 def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
-    """Scheduler start: wrap the served model's layers when the configured strategy selects
-    at a check layer (a model wrapped already reports to ``flow`` from now on), and set
-    :attr:`SemblendRuntime.layer_check`. On a model this seam does not take, one warning names
-    why, ``layer_check`` is False and None is returned."""
+    """Scheduler start: wrap the served model's layers (a model wrapped already reports to
+    ``flow`` from now on), whatever the server's strategy, since a request may choose one that
+    selects at a check layer; set :attr:`SemblendRuntime.layer_check`. On a model this seam
+    does not take, one line names why (a warning where the server's own strategy needs the
+    hook), ``layer_check`` is False and None is returned."""
     runtime = flow.runtime
-    if not runtime.config.recompute_strategy.uses_check_layer:
-        return None
     model = getattr(model_runner, "model", None)
     if model is not None and getattr(model, _WRAPPED_ATTR, None) is not None:
         hook: LayerHook = getattr(model, _WRAPPED_ATTR)
@@ -85,11 +84,14 @@ def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
             reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:
         runtime.layer_check = False
-        logger.warning(
-            "semblend: recompute_strategy=%s needs the check-layer hook, which refuses this "
-            "model (%s); every plan is declined as %s",
-            runtime.config.recompute_strategy,
+        strategy = runtime.config.recompute_strategy
+        log = logger.warning if strategy.uses_check_layer else logger.info
+        log(
+            "semblend: the check-layer hook refuses this model (%s): every plan whose "
+            "recompute_strategy selects at a check layer (deviation, query; the server's: %s) "
+            "is declined as %s",
             reason,
+            strategy,
             Reason.UNSUPPORTED_MODEL,
         )
         return None

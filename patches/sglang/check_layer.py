@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 
 from semblend_sglang import recompute
+from semblend_sglang.config import Config
 from semblend_sglang.recompute import RecomputeStrategy
 
 from .batch_shrink import attention_backend, shrink_batch, shrink_hidden
@@ -51,6 +52,8 @@ class _Recheck:
 
 @dataclass
 class _RequestCheck:
+    """One request's check in a forward: its repair ``settings``, its ``recheck_layer``."""
+
     index: int
     rid: str
     offsets: torch.Tensor
@@ -59,6 +62,8 @@ class _RequestCheck:
     reused: int
     pinned: torch.Tensor
     spans: int
+    settings: Config
+    recheck_layer: int | None = None
     recheck: _Recheck | None = None
 
     def outcome(
@@ -110,15 +115,19 @@ class LayerHook:
         self.pool = model_runner.token_to_kv_pool
         config = runtime.config
         self.check_layer = int(config.recompute_check_layer)
-        self.recheck_layer = recompute.recheck_layer(
-            config.recompute_recheck_depth, self.check_layer, len(layers)
-        )
-        self.strategy = config.recompute_strategy
+        self.layers = len(layers)
+        self.recheck_layer = self.recheck_layer_of(config)
+        """The second check's layer of the server's settings (None: one check)."""
         self.last_layer = len(layers) - 1
         self.armed: _ForwardCheck | None = None
         self._wrapped: list[Any] = []
         for i, layer in enumerate(layers):
             self._wrap_layer(i, layer)
+
+    def recheck_layer_of(self, settings: Config) -> int | None:
+        """The layer of the second check of a request with ``settings`` (None: one check)."""
+        depth = settings.recompute_recheck_depth
+        return recompute.recheck_layer(depth, self.check_layer, self.layers)
 
     # ------------------------------------------------------------------ arming
     def arm(self, batch: Any, forward_batch: Any) -> None:
@@ -136,6 +145,8 @@ class LayerHook:
         for i, req in enumerate(batch.reqs):
             cand = found.get(req.rid)
             if cand is not None and cand.offsets.numel():
+                settings = self.runtime.config if cand.settings is None else cand.settings
+                rechecks = cand.spans > settings.recompute_check_max_spans
                 requests.append(
                     _RequestCheck(
                         i,
@@ -146,6 +157,8 @@ class LayerHook:
                         cand.reused,
                         cand.pinned,
                         cand.spans,
+                        settings,
+                        self.recheck_layer_of(settings) if rechecks else None,
                     )
                 )
         if requests:
@@ -227,20 +240,13 @@ class LayerHook:
         self._wrapped.clear()
 
     # ------------------------------------------------------------------ the check
-    def _rechecks(self, rc: _RequestCheck) -> bool:
-        return (
-            self.recheck_layer is not None
-            and rc.spans > self.runtime.config.recompute_check_max_spans
-        )
-
     def _select(
         self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
     ) -> None:
         """Score each request's candidates at the check layer (before it writes its K/V),
         select (a request with a second check: ``recompute_recheck_width`` times its budget),
         report to the runtime those with no second check and set ``check.keep`` (and the
-        reference rows)."""
-        config = self.runtime.config
+        reference rows). Each request is selected by its own settings."""
         n = int(k.shape[0])
         k3 = k.reshape(n, attn.tp_k_head_num, -1)
         v3 = v.reshape(n, attn.tp_v_head_num, -1)
@@ -250,10 +256,11 @@ class LayerHook:
         forced: list[torch.Tensor] = []
         reports: list[CheckOutcome] = []
         for rc in check.requests:
+            config = rc.settings
             rows = (starts[rc.index] + rc.offsets).to(device)
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             scores = deviation
-            if self.strategy is RecomputeStrategy.QUERY:
+            if config.recompute_strategy is RecomputeStrategy.QUERY:
                 tail = _tail_rows(
                     starts[rc.index], check.extend_lens[rc.index], rc.offsets, rc.pinned
                 )
@@ -270,7 +277,7 @@ class LayerHook:
                 rc.reused,
             )
             chosen = selection.recompute
-            if self._rechecks(rc) and not selection.gated:
+            if rc.recheck_layer is not None and not selection.gated:
                 # the floor judges the check layer's deviation, too shallow for these plans:
                 # a rechecked plan spends its whole budget
                 wide = recompute.select(
@@ -294,10 +301,12 @@ class LayerHook:
     def _recheck(
         self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
     ) -> None:
-        """At the second check layer (before it writes its K/V): of the rows each rechecked
-        request's first check kept, keep its budget by their K/V deviation from the donor's
-        still in their slots; report them and set ``check.keep`` (and the reference rows)."""
+        """At a second check layer (before it writes its K/V): of the rows each request
+        rechecked at this layer kept at its first check, keep its budget by their K/V
+        deviation from the donor's still in their slots; report them and set ``check.keep``
+        (and the reference rows)."""
         del q
+        layer = int(attn.layer_id)
         n = int(k.shape[0])
         k3 = k.reshape(n, attn.tp_k_head_num, -1)
         v3 = v.reshape(n, attn.tp_v_head_num, -1)
@@ -305,16 +314,15 @@ class LayerHook:
         forced: list[torch.Tensor] = []
         reports: list[CheckOutcome] = []
         for rc in check.requests:
-            recheck, rc.recheck = rc.recheck, None
-            if recheck is None:
+            if rc.recheck is None or rc.recheck_layer != layer:
                 continue
+            recheck, rc.recheck = rc.recheck, None
             rows = recheck.rows
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             chosen = recompute.top(deviation, recheck.count)
             _drop_unchosen(rc, rows, chosen, keep, forced)
             reports.append(rc.outcome(recheck.count, False, recheck.residual, rechecked=True))
-        assert self.recheck_layer is not None
-        self._kept(check, keep, forced, forward_batch, reports, self.recheck_layer)
+        self._kept(check, keep, forced, forward_batch, reports, layer)
 
     def _deviation(
         self, attn: Any, k3: Any, v3: Any, rows: torch.Tensor, forward_batch: Any
@@ -381,8 +389,8 @@ class LayerHook:
             for rc in check.requests:
                 if rc.recheck is not None:
                     rc.recheck.rows = moved[rc.recheck.rows]
-        if any(rc.recheck is not None for rc in check.requests):
-            check.select_at = self.recheck_layer
+        pending = [rc.recheck_layer for rc in check.requests if rc.recheck is not None]
+        check.select_at = min((x for x in pending if x is not None), default=None)
         return out
 
     def _force(

@@ -37,24 +37,28 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 def merge_snapshots(snapshots: list[dict[str, Any] | None]) -> dict[str, Any]:
     """Sum the counters of several schedulers' snapshots (None entries are skipped).
 
-    Numeric fields and per-label dicts are summed; ``lookup_ms_mean`` is the lookup-weighted mean.
+    Numeric fields and per-label dicts (nested too: ``by_settings``) are summed;
+    ``lookup_ms_mean`` is the lookup-weighted mean.
     """
     total: dict[str, Any] = {}
     weighted_ms = 0.0
     for snap in snapshots:
         if not snap:
             continue
-        for key, value in snap.items():
-            if isinstance(value, dict):
-                bucket = total.setdefault(key, {})
-                for label, count in value.items():
-                    bucket[label] = bucket.get(label, 0) + count
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
+        _add_counts(total, snap)
         weighted_ms += float(snap.get("lookup_ms_mean", 0.0)) * int(snap.get("lookups", 0))
     if total:
         total["lookup_ms_mean"] = weighted_ms / total["lookups"] if total.get("lookups") else 0.0
     return total
+
+
+def _add_counts(total: dict[str, Any], counts: dict[str, Any]) -> None:
+    """Add the numbers of ``counts`` into ``total``, key by key, dicts recursively."""
+    for key, value in counts.items():
+        if isinstance(value, dict):
+            _add_counts(total.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
 
 
 def unserved_snapshot(reason: str) -> dict[str, Any]:

@@ -19,14 +19,14 @@ Donors are locked only for the copy. A donor whose KV left the device costs only
 attention), what was copied is agreed across them before the batch changes
 (:mod:`.rank_agreement`): a position is reused only where every rank copied it.
 
-The algorithm is the same for every sglang version this package serves; what differs between
-versions (where a request's ``req_to_token`` row and chunk end are, how a tree node is locked,
-where a donor's KV is) is the adapter's :class:`~.version_view.VersionView`. The plans are the
-caller's (:mod:`.request_flow`); this module advances them through their own transitions.
+What differs between sglang versions (rows, chunk ends, locks, where a donor's KV is) is the
+adapter's :class:`~.version_view.VersionView`; the plans are :mod:`.request_flow`'s, advanced
+here through their own transitions.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from semblend_sglang.align import Span
+from semblend_sglang.config import Config
 from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import CheckSampling
 
@@ -57,13 +58,15 @@ class CheckCandidates:
     every position the request copied in this chunk (the budget's base); ``pinned``: offsets of
     copied positions left out of the sample that a dense reference still computes (their K/V
     forced to the donor's in every layer; empty otherwise); ``spans``: the plan's spans (whether
-    a second check applies)."""
+    a second check applies); ``settings``: the request's repair settings (None: the
+    server's)."""
 
     offsets: torch.Tensor
     final: bool
     reused: int
     pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     spans: int = 1
+    settings: Config | None = None
 
 
 @dataclass
@@ -94,10 +97,10 @@ def _own_batch_reuse(batch: Any) -> BatchReuse:
 class LoadParams:
     """One prepared prefill batch to load: its ``cache`` and ``batch``, the open plans of its
     requests (``states`` by rid), the version's ``view``, where a donor's KV is (``match_donor``:
-    :meth:`.DonorKV.match`), the model's RoPE ``spec``, the ranks
-    that run it too (``peers``), whether a check layer selects (``check``), the stream the
-    engine's forward runs on (``forward_stream``; None on CPU) and, with ``check``, which plans'
-    copied positions are computed up to the check layer on a sample (``sampling``)."""
+    :meth:`.DonorKV.match`), the model's RoPE ``spec``, the ranks that run it too (``peers``),
+    whether the model's layers take the check-layer hook (``check``: a plan whose settings
+    select at a check layer is checked there on its settings' sample) and the stream the
+    engine's forward runs on (``forward_stream``; None on CPU)."""
 
     cache: Any
     batch: Any
@@ -108,7 +111,6 @@ class LoadParams:
     peers: list[Any]
     check: bool = False
     forward_stream: Any = None
-    sampling: CheckSampling = field(default_factory=CheckSampling)
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,11 @@ class _RequestLoad:
 
 def load_batch_spans(params: LoadParams) -> LoadResult:
     """Copy the reused spans of ``params.batch`` (after ``prepare_for_extend``) and make its
-    extend sparse, or, with ``check`` (a check-layer strategy), keep the copied positions of
-    each plan's check sample (``sampling``; every one of a plan it does not sample) computed and
-    record them as the batch's check candidates (:class:`BatchReuse`), the rest being dropped
-    like a sparse extend's. A span
-    whose donor KV is not on the device (``match_donor``) is computed instead. Each plan
-    advances through its own transitions (loaded, skipped; at its last chunk complete or
-    decline); the caller drops the plans that ended.
+    extend sparse; with ``check``, a plan whose strategy selects at a check layer keeps its
+    check sample's copied positions computed, as the batch's check candidates
+    (:class:`BatchReuse`). A span whose donor KV is not on the device (``match_donor``) is
+    computed instead. Each plan advances through its own transitions (loaded, skipped; at its
+    last chunk complete or decline); the caller drops the plans that ended.
 
     With ``peers`` the caller calls this for *every* prefill batch, planned or not, and the copy
     outcome is agreed across the ranks before the batch changes; an error in the copy is then
@@ -173,11 +173,11 @@ def load_batch_spans(params: LoadParams) -> LoadResult:
         raise failure
     if not loads:
         return LoadResult()
-    if params.check:
-        _record_candidates(batch, loads, params.sampling)
-    else:
-        _sparsify(batch, {load.index: (load, _computed_mask(load)) for load in loads})
-    recomputed = sum(_advance(load, deferred=params.check and bool(load.copied)) for load in loads)
+    checked = {load.index for load in loads if params.check and load.state.checks_at_layer}
+    _record_candidates(batch, loads, checked)
+    recomputed = sum(
+        _advance(load, deferred=load.index in checked and bool(load.copied)) for load in loads
+    )
     return LoadResult(tuple(load.state for load in loads), recomputed, seconds)
 
 
@@ -231,12 +231,8 @@ def _match_and_copy(params: LoadParams, loads: list[_RequestLoad]) -> float | No
 def _agree(peers: list[Any], batch: Any, loads: list[_RequestLoad]) -> None:
     """Keep in each load's ``copied`` only the positions every rank copied (sub-spans of its
     pieces); a load that lost any is marked ``rank_disagreement``."""
-    starts: list[int] = []
-    at = 0
-    for ext in batch.extend_lens:
-        starts.append(at)
-        at += int(ext)
-    mask = torch.zeros(at, dtype=torch.bool)
+    starts = [0, *itertools.accumulate(int(ext) for ext in batch.extend_lens)]
+    mask = torch.zeros(starts[-1], dtype=torch.bool)
     for load in loads:
         base = starts[load.index] - load.lo
         for span, _ in load.copied:
@@ -335,9 +331,7 @@ def _sparsify(batch: Any, masks: dict[int, tuple[_RequestLoad, torch.Tensor]]) -
     (``masks``: request index -> (load, mask over ``lo..hi``)) is False; keep the true
     positions of the rest. A load that copied nothing, or whose mask drops nothing, is left
     dense."""
-    copied = {
-        i: (load, mask) for i, (load, mask) in masks.items() if load.copied and not bool(mask.all())
-    }
+    copied = {i: (ld, m) for i, (ld, m) in masks.items() if ld.copied and not bool(m.all())}
     if not copied:
         return
     ids = batch.prefill_input_ids_cpu
@@ -364,17 +358,22 @@ def _sparsify(batch: Any, masks: dict[int, tuple[_RequestLoad, torch.Tensor]]) -
     batch.extend_num_tokens = sum(ext)
 
 
-def _record_candidates(batch: Any, loads: list[_RequestLoad], sampling: CheckSampling) -> None:
-    """Note each load's sampled copied positions (:func:`_check_sample_mask`) as check
-    candidates and drop the others from the batch's computed tokens (a dense reference keeps
-    them, as ``pinned``)."""
-    found = _own_batch_reuse(batch).candidates
+def _record_candidates(batch: Any, loads: list[_RequestLoad], checked: set[int]) -> None:
+    """Drop every load's copied positions from the batch's computed tokens, but for the loads
+    of ``checked`` (indices) note their sampled copied positions (:func:`_check_sample_mask`)
+    as check candidates and keep those computed (a dense reference keeps them all, the others
+    as ``pinned``)."""
     masks: dict[int, tuple[_RequestLoad, torch.Tensor]] = {}
     for load in loads:
+        if load.index not in checked:
+            masks[load.index] = (load, _computed_mask(load))
+            continue
         if not load.copied:
             continue
+        found = _own_batch_reuse(batch).candidates
+        config = load.state.settings.config
         copied = ~_computed_mask(load)
-        sampled = _check_sample_mask(load, sampling)
+        sampled = _check_sample_mask(load, CheckSampling.of(config))
         computed = ~copied | sampled
         if wants_dense_reference(load.req):
             computed = torch.ones_like(copied)
@@ -382,7 +381,8 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad], sampling: CheckSam
         pinned = torch.nonzero((copied & ~sampled)[computed]).flatten()
         final = load.hi >= len(load.req.origin_input_ids)
         spans = len(load.state.plan.spans)
-        found[load.req.rid] = CheckCandidates(offsets, final, int(copied.sum()), pinned, spans)
+        reused = int(copied.sum())
+        found[load.req.rid] = CheckCandidates(offsets, final, reused, pinned, spans, config)
         masks[load.index] = (load, computed)
     _sparsify(batch, masks)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from semblend_sglang.config import Config
@@ -22,15 +21,15 @@ from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.lookup_params import DonorAlive, LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
-from semblend_sglang.recompute import CheckSampling, RecomputeStrategy, head_lengths
+from semblend_sglang.recompute import RecomputeStrategy, head_lengths
+from semblend_sglang.request_settings import RequestSettings
 
-from . import attention, one_pass, rank_agreement
+from . import attention, one_pass
 from .donor_kv import DonorKV
 from .request_info import (
-    asks_input_logprobs,
     eligible,
     namespace_for,
-    opted_out,
+    reuse_settings,
     served_model_path,
 )
 from .request_reuse import CheckOutcome, RequestReuse
@@ -38,18 +37,6 @@ from .runtime import SemblendRuntime
 from .version_view import VersionView
 
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class AdmissionCredit:
-    """A receipt of :meth:`RequestFlow.admission_credit`: the ``tokens`` the adder's compute
-    budgets were raised by while it admits ``req`` from position ``lo``, agreed with ``peers``;
-    :meth:`RequestFlow.admission_charge` takes it."""
-
-    req: Any
-    lo: int
-    tokens: int = 0
-    peers: list[Any] = field(default_factory=list)
 
 
 class RequestFlow:
@@ -77,8 +64,6 @@ class RequestFlow:
         self.backend_ok: bool | None = None
         """Whether the model runner's attention backend runs a sparse extend (None until the
         first forward shows it)."""
-        self.check_sampling = CheckSampling.of(config)
-        """Which plans a check-layer strategy checks on a sample of their reused positions."""
 
     # ----------------------------------------------------------------- 0. the guard
     def guarded(
@@ -132,7 +117,8 @@ class RequestFlow:
             return None
         if not self.config.enabled or self.config.mode == "substitute" or not eligible(req):
             return None  # substitute mode decides at arrival
-        if opted_out(req):
+        settings = reuse_settings(req, self.config)
+        if settings is None:
             self.opt_out(rid)
             return None
         usable = len(tokens) if limit is None else min(len(tokens), int(limit) + 1)
@@ -149,7 +135,7 @@ class RequestFlow:
         )
         if decision.kind != "plan" or decision.plan is None:
             return None
-        state = self.start(rid, namespace, decision.plan)
+        state = self.start(rid, namespace, decision.plan, settings)
         if not self._cache_supported(cache):
             self.decline(rid, Reason.UNSUPPORTED_CACHE)
             return None
@@ -158,13 +144,23 @@ class RequestFlow:
             return None
         return state
 
-    def start(self, rid: str, namespace: Namespace, plan: ReusePlan) -> RequestReuse:
-        """Track ``plan`` for request ``rid``; its spans are materialized in target order."""
+    def start(
+        self,
+        rid: str,
+        namespace: Namespace,
+        plan: ReusePlan,
+        settings: RequestSettings | None = None,
+    ) -> RequestReuse:
+        """Track ``plan`` for request ``rid`` served with ``settings`` (None: the server's);
+        its spans are materialized in target order."""
+        settings = RequestSettings(self.config) if settings is None else settings
+        config = settings.config
         order = sorted(range(len(plan.spans)), key=lambda i: plan.spans[i].target_start)
         spans = tuple(plan.spans[i] for i in order)
         heads: tuple[int, ...] = ()
-        if self.config.recompute_strategy is RecomputeStrategy.HEADS:
-            heads = tuple(head_lengths([s.length for s in spans], self.config.recompute_ratio))
+        if config.recompute_strategy is RecomputeStrategy.HEADS:
+            heads = tuple(head_lengths([s.length for s in spans], config.recompute_ratio))
+        self.runtime.count_settings(settings.label, "planned")
         state = RequestReuse(
             rid=rid,
             outcomes=self.runtime.provider,
@@ -173,6 +169,7 @@ class RequestFlow:
             spans=spans,
             donors=tuple(plan.donor_of(i) for i in order),
             heads=heads if any(heads) else (),
+            settings=settings,
         )
         self.requests[rid] = state
         return state
@@ -221,56 +218,17 @@ class RequestFlow:
         """RoPE of the served model (None: not supported; logged once by the runtime)."""
         return self.runtime.rope_spec(served_model_path())
 
+    def selects_at_check_layer(self, state: RequestReuse) -> bool:
+        """True when ``state``'s strategy selects at a check layer and the served model's
+        layers take the hook. While no model is known (the cache without an engine) such a
+        strategy recomputes nothing; where the model refused the hook its plans are declined
+        (``unsupported_model``, :meth:`prepare_extend`)."""
+        return state.checks_at_layer and self.runtime.layer_check is True
+
     def opt_out(self, rid: str) -> None:
         """Request ``rid`` asked for no semantic reuse: decided as ``declined:opted_out`` once
         (its outcome counted), never planned; it still donates."""
         self.runtime.provider.decline_request(rid, Reason.OPTED_OUT)
-
-    # ----------------------------------------------------------------- 1b. admission
-    def admission_credit(self, cache: Any, req: Any, budget: int | None) -> AdmissionCredit:
-        """Before SGLang's ``PrefillAdder`` admits a prefill chunk of ``req`` from its
-        ``prefix_len`` with ``budget`` tokens of compute left (its ``rem_chunk_tokens``): the
-        tokens its compute budgets are raised by while it admits, the reused positions the
-        longest chunk that computes at most ``budget`` positions would skip (where other ranks
-        run ``cache``'s batches, the least any rank gives). A check-layer strategy is charged
-        the ``recompute_ratio`` of the copied positions it recomputes after its check layer (the
-        layers up to it run every position). 0 without an open plan or a chunk budget, or when
-        input-token logprobs are asked for (output-token logprobs alone change nothing). The
-        adapter takes back :meth:`admission_charge`; the memory budget takes every position."""
-        rid = getattr(req, "rid", None)
-        lo = int(getattr(req, "prefix_len", 0) or 0)
-        peers = self.guarded("admission", None, [], self.view.peers, cache)
-        tokens = self.guarded("admission", rid, 0, self._skipped, req, lo, budget)
-        if peers:
-            tokens = rank_agreement.agree_min(peers, tokens)
-        return AdmissionCredit(req, lo, tokens, peers)
-
-    def admission_charge(self, credit: AdmissionCredit, admitted: bool) -> int:
-        """After the adder ran with ``credit``: the part of it the admitted chunk
-        [lo, extend_end) did not skip, to take back from its budgets (all of it when ``req``
-        was not ``admitted``)."""
-        req = credit.req
-        taken = 0
-        if admitted:
-            hi = int(getattr(req, "extend_end", credit.lo) or credit.lo)
-            taken = self.guarded("admission", req.rid, 0, self._skipped, req, credit.lo, None, hi)
-        if credit.peers:
-            taken = rank_agreement.agree_min(credit.peers, taken)
-        return credit.tokens - taken
-
-    def _skipped(self, req: Any, lo: int, budget: int | None, hi: int | None = None) -> int:
-        """Reused positions of ``req``'s open plan in the chunk [lo, hi) (without ``hi``: the
-        longest one that computes at most ``budget`` positions) that no layer after the check
-        layer computes."""
-        state = self.requests.get(req.rid)
-        if state is None or not state.open or asks_input_logprobs(req):
-            return 0
-        kept = 1.0 - float(self.config.recompute_ratio) if self.runtime.check_layer_active else 1.0
-        if hi is None:
-            if budget is None or budget <= 0:
-                return 0
-            hi = state.chunk_end(lo, len(req.full_untruncated_fill_ids), int(budget), kept)
-        return 0 if hi <= lo else (hi - lo) - state.computed_within(lo, hi, kept)
 
     # ----------------------------------------------------------------- 2. pin donors and copy
     def prepare_extend(self, batch: Any) -> None:
@@ -287,15 +245,14 @@ class RequestFlow:
         if not peers and not states:
             return
         spec = self.rope_spec()
-        refused = None if spec is not None else Reason.UNSUPPORTED_CACHE
-        if runtime.layer_check is False:
-            refused = Reason.UNSUPPORTED_MODEL
-        if refused is not None:
-            for state in states.values():
-                if state.open and not state.reused_any:
-                    self.decline(state.rid, refused)
-            if not peers:
-                return
+        for state in states.values():
+            refused = None if spec is not None else Reason.UNSUPPORTED_CACHE
+            if runtime.layer_check is False and state.checks_at_layer:
+                refused = Reason.UNSUPPORTED_MODEL
+            if refused is not None and state.open and not state.reused_any:
+                self.decline(state.rid, refused)
+        if spec is None and not peers:
+            return
         before = {rid: s.reused_total for rid, s in states.items()}
         params = one_pass.LoadParams(
             cache,
@@ -305,9 +262,8 @@ class RequestFlow:
             self.donors.match,
             spec,
             peers,
-            runtime.check_layer_active,
+            runtime.layer_check is True,
             runtime.forward_stream,
-            self.check_sampling,
         )
         try:
             result = one_pass.load_batch_spans(params)
@@ -444,6 +400,11 @@ class RequestFlow:
         state = self.requests.pop(rid, None)
         if state is not None:
             state.complete()
+            if state.reused_any:
+                label = state.settings.label
+                self.runtime.count_settings(label, "materialized")
+                self.runtime.count_settings(label, "reused_tokens", state.reused_total)
+                self.runtime.count_settings(label, "recomputed_tokens", state.recomputed)
         self.decided.discard(rid)
         self.donors.release(rid)
         self.runtime.provider.release(rid)

@@ -9,23 +9,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from semblend_sglang.config import Config, ConfigError
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
+from semblend_sglang.request_settings import (
+    REUSE_PARAM as REUSE_PARAM,
+)
+from semblend_sglang.request_settings import (
+    RequestSettings,
+    resolve,
+    value_error,
+)
 
 logger = logging.getLogger(__name__)
-
-REUSE_PARAM = "semblend_reuse"
-"""The ``custom_params`` key (``sampling_params.custom_params`` of ``/generate``; ``extra_body=
-{"custom_params": ...}`` of the OpenAI-compatible API) by which a request opts out of semantic
-reuse: ``false`` or ``"off"``. ``true``, ``"on"`` or no key: the server's setting."""
 
 DENSE_REFERENCE_PARAM = "semblend_dense_reference"
 """``custom_params`` key that makes a request run as the dense reference of its selection
 (:mod:`.check_layer`): it keeps every copied position in every layer."""
 
-_REUSE_ON = (True, "on")
-_REUSE_OFF = (False, "off")
 _warned_values: set[str] = set()
+_DEFAULTS = Config()
 
 
 def server_args() -> Any:
@@ -77,26 +80,11 @@ def eligible(req: Any) -> bool:
     )
 
 
-def _reuse_value(value: Any) -> bool | None:
-    """True for ``true``/``"on"``, False for ``false``/``"off"``, None for any other value."""
-    if any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_ON):
-        return True
-    if any(value is v or (isinstance(v, str) and value == v) for v in _REUSE_OFF):
-        return False
-    return None
-
-
 def reuse_value_error(custom_params: Any) -> str | None:
-    """Why ``custom_params`` carries a malformed :data:`REUSE_PARAM`, or None (key absent, or
-    one of true, false, "on", "off"). The request guard answers a malformed one with 400."""
-    if not isinstance(custom_params, dict) or REUSE_PARAM not in custom_params:
-        return None
-    value = custom_params[REUSE_PARAM]
-    if _reuse_value(value) is not None:
-        return None
-    return (
-        f'custom_params {REUSE_PARAM} must be true, false, "on" or "off"; got {repr(value)[:80]}.'
-    )
+    """Why ``custom_params`` carries a malformed :data:`REUSE_PARAM` (the key absent or a value
+    :func:`~semblend_sglang.request_settings.resolve` takes: None). The request guard answers
+    a malformed one with 400."""
+    return value_error(custom_params)
 
 
 def wants_dense_reference(req: Any) -> bool:
@@ -126,25 +114,32 @@ def asks_input_logprobs(req: Any) -> bool:
     return start is not None and 0 <= int(start) < len(req.origin_input_ids) - 1
 
 
-def opted_out(req: Any) -> bool:
-    """True when ``req`` asked for no semantic reuse (:data:`REUSE_PARAM` is ``false`` or
-    ``"off"``). Any other value than those and ``true``/``"on"`` (which the request guard
-    refuses with 400 where it runs) also opts out (a client that sets the key meant something)
-    and is logged once per value. An opted-out request is never planned; it still donates (its
-    KV is a cold prefill's). Never raises."""
+def reuse_settings(req: Any, server: Config) -> RequestSettings | None:
+    """The settings ``req`` is served with on a server configured ``server``
+    (:func:`~semblend_sglang.request_settings.resolve` of its :data:`REUSE_PARAM`), or None
+    when it opted out. A value ``resolve`` refuses (the request guard answers it with 400 where
+    it runs) also opts out (a client that sets the key meant something) and is logged once per
+    value. An opted-out request is never planned; it still donates (its KV is a cold
+    prefill's). Never raises."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     if not isinstance(params, dict) or REUSE_PARAM not in params:
-        return False
-    value = _reuse_value(params[REUSE_PARAM])
-    if value is None:
+        return RequestSettings(server)
+    try:
+        return resolve(params[REUSE_PARAM], server)
+    except ConfigError as exc:
         shown = repr(params[REUSE_PARAM])[:80]
         if shown not in _warned_values:
             _warned_values.add(shown)
             logger.warning(
-                'semblend: custom_params %s=%s is not one of true, false, "on", "off"; '
-                "the request is served without semantic reuse",
+                "semblend: custom_params %s=%s is refused (%s); the request is served without "
+                "semantic reuse",
                 REUSE_PARAM,
                 shown,
+                exc,
             )
-        return True
-    return not value
+        return None
+
+
+def opted_out(req: Any) -> bool:
+    """True when ``req`` is served without semantic reuse (:func:`reuse_settings` is None)."""
+    return reuse_settings(req, _DEFAULTS) is None

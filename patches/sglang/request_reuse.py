@@ -10,8 +10,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from semblend_sglang.align import Span
+from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
+from semblend_sglang.request_settings import RequestSettings
+
+DEFAULT_SETTINGS = RequestSettings(Config())
+"""The settings of a plan started without any (the built-in defaults)."""
 
 
 class Outcomes(Protocol):
@@ -64,7 +69,8 @@ class RequestReuse:
     :class:`~.request_flow.RequestFlow`, which drops it once it :attr:`ended`.
 
     ``spans`` are in target order, ``donors[i]`` is span ``i``'s donor; ``heads[i]`` leading
-    tokens of span ``i`` are recomputed instead of copied (``heads`` strategy; empty: none).
+    tokens of span ``i`` are recomputed instead of copied (``heads`` strategy; empty: none);
+    ``settings``: the request's own (:mod:`semblend_sglang.request_settings`).
     ``handled_to``: target positions below it were offered for reuse already (copied or
     computed), so a later prefill chunk never copies them again. Once any KV was copied
     (``reused_any``) nothing from ``publish_cap`` (the first copied position) on may be
@@ -78,6 +84,8 @@ class RequestReuse:
     spans: tuple[Span, ...]
     donors: tuple[Hashable, ...]
     heads: tuple[int, ...] = ()
+    settings: RequestSettings = DEFAULT_SETTINGS
+    """The settings the request is served with (its own repair settings over the server's)."""
     state: ReuseState = ReuseState.PLANNED
     handled_to: int = 0
     reused_total: int = 0
@@ -112,6 +120,11 @@ class RequestReuse:
     def reused_any(self) -> bool:
         """True once at least one span's KV was copied into the request's slots."""
         return self.first_loaded is not None
+
+    @property
+    def checks_at_layer(self) -> bool:
+        """True when the request's strategy selects at a check layer (deviation, query)."""
+        return self.settings.config.recompute_strategy.uses_check_layer
 
     @property
     def open(self) -> bool:

@@ -44,6 +44,12 @@ class RecomputeCounts:
     residual_deviation_sum: float = 0.0
 
 
+SETTINGS_COUNTERS = ("planned", "materialized", "reused_tokens", "recomputed_tokens")
+"""What the snapshot's ``by_settings`` counts per settings label
+(:attr:`~semblend_sglang.request_settings.RequestSettings.label`): plans started, plans that
+reused KV, the tokens they kept and the reused positions they recomputed."""
+
+
 class SemblendRuntime:
     """Holds one scheduler process's provider, counters and the settings learned at start-up.
 
@@ -65,6 +71,8 @@ class SemblendRuntime:
         self.donor_snapshot: Callable[[], dict[str, Any]] = dict
         """The donor KV's counters for :meth:`snapshot` (set by the flow that owns them)."""
         self.recompute = RecomputeCounts()
+        self.by_settings: dict[str, dict[str, int]] = {}
+        """:data:`SETTINGS_COUNTERS` per settings label (:meth:`count_settings`)."""
         self.layer_check: bool | None = None
         """Whether the served model's layers take the check-layer recompute (set at scheduler
         start by :mod:`.check_layer`); None while no model is known (an engine-less cache)."""
@@ -114,6 +122,7 @@ class SemblendRuntime:
         snap["recompute_gated"] = self.recompute.gated
         snap["recompute_rechecks"] = self.recompute.rechecks
         snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
+        snap["by_settings"] = {label: dict(c) for label, c in sorted(self.by_settings.items())}
         snap["sparse_extend_batches"] = sparse_batch_counts()
         return snap
 
@@ -122,13 +131,11 @@ class SemblendRuntime:
         """The provider's decision for one request (:meth:`SemanticProvider.lookup`)."""
         return self.provider.lookup(params)
 
-    @property
-    def check_layer_active(self) -> bool:
-        """True when the configured strategy selects at a check layer and the served model's
-        layers take the hook (:attr:`layer_check`). While no model is known (the cache without
-        an engine) such a strategy recomputes nothing; where the model refused the hook,
-        plans are declined (``unsupported_model``, by the request flow)."""
-        return self.config.recompute_strategy.uses_check_layer and self.layer_check is True
+    def count_settings(self, label: str, counter: str, amount: int = 1) -> None:
+        """Add ``amount`` to ``counter`` (one of :data:`SETTINGS_COUNTERS`) of the requests
+        served with settings ``label``."""
+        counts = self.by_settings.setdefault(label, dict.fromkeys(SETTINGS_COUNTERS, 0))
+        counts[counter] += amount
 
     def observe_copy(self, seconds: float) -> None:
         """One prefill batch's donor K/V copy took ``seconds`` (device work included)."""

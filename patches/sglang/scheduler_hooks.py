@@ -79,8 +79,9 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
     attention backend that will decline every plan (:meth:`SemblendRuntime.note_reuse_off`:
     the snapshot's ``reuse_off``), the runtime takes the model's RoPE from the engine's resolved
     config (:meth:`SemblendRuntime.use_model_config`) and the model's layers are wrapped for a
-    check-layer recompute strategy (:func:`.check_install.install`). The scheduler's forward
-    stream is handed to the runtime in both cases (the copy waits for it)."""
+    check-layer recompute, whatever the server's strategy (:func:`.check_install.install`).
+    The scheduler's forward stream is handed to the runtime in both cases (the copy waits for
+    it)."""
     runtime = flow.runtime
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -27,6 +27,7 @@ from semblend_sglang.namespace import Namespace
 
 from . import one_pass, rank_agreement
 from .adapter import HookTable, SglangAdapter
+from .admission import admission_charge, admission_credit
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
@@ -153,7 +154,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
 
         def make_admit(orig: Any) -> Any:
             def admit(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-                credit = flow.admission_credit(self.tree_cache, req, self.rem_chunk_tokens)
+                credit = admission_credit(flow, self.tree_cache, req, self.rem_chunk_tokens)
                 if credit.tokens:
                     self.rem_chunk_tokens += credit.tokens
                     self.rem_input_tokens += credit.tokens
@@ -162,7 +163,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 finally:
                     if credit.tokens:
                         admitted = any(r is req for r in self.can_run_list)
-                        unused = flow.admission_charge(credit, admitted)
+                        unused = admission_charge(flow, credit, admitted)
                         self.rem_chunk_tokens -= unused
                         self.rem_input_tokens -= unused
 
