@@ -127,6 +127,28 @@ def test_rouge_l_ids() -> None:
     assert rouge_l_ids([1, 2, 3, 4], [2, 4, 1, 3]) == pytest.approx(0.5)  # LCS 2 of 4 each
 
 
+def _lcs_by_dynamic_programming(a: list[int], b: list[int]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b, start=1):
+            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
+        prev = cur
+    return prev[-1]
+
+
+def test_rouge_l_ids_is_the_f1_of_the_textbook_lcs_on_random_sequences() -> None:
+    """rapidfuzz's LCS (what rouge_l_ids uses) against the quadratic dynamic programme, on
+    token-id sequences with repeats, long and empty ones."""
+    rng = random.Random(11)
+    for _ in range(200):
+        a = [rng.randrange(50) for _ in range(rng.randrange(0, 120))]
+        b = [rng.randrange(50) for _ in range(rng.randrange(0, 120))]
+        lcs = _lcs_by_dynamic_programming(a, b)
+        want = 1.0 if not a and not b else (0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b)))
+        assert rouge_l_ids(a, b) == pytest.approx(want), (a, b)
+
+
 # The shape sglang 0.5.23 returns (tuples become JSON lists; first entry's logprob is null).
 META = {
     "prompt_tokens": 4,

@@ -139,25 +139,17 @@ def first_divergence(a: Sequence[Hashable], b: Sequence[Hashable]) -> int | None
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _lcs_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
-    if len(a) < len(b):
-        a, b = b, a
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b, start=1):
-            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
-        prev = cur
-    return prev[-1]
-
-
 def rouge_l_ids(candidate: Sequence[Hashable], reference: Sequence[Hashable]) -> float:
     """ROUGE-L F1 (beta = 1) of two token sequences: with ``L`` = length of their longest common
     subsequence, ``P = L/len(candidate)``, ``R = L/len(reference)``, ``F = 2PR/(P+R)``. Two
-    empty sequences score 1.0; one empty sequence, or ``L == 0``, scores 0.0."""
+    empty sequences score 1.0; one empty sequence, or ``L == 0``, scores 0.0. ``L`` is
+    rapidfuzz's ``LCSseq.similarity`` (C++; imported here, so the modules that import this one
+    without scoring ROUGE need no rapidfuzz)."""
+    from rapidfuzz.distance import LCSseq
+
     if not candidate and not reference:
         return 1.0
-    lcs = _lcs_length(candidate, reference)
+    lcs = int(LCSseq.similarity(list(candidate), list(reference)))
     if lcs == 0:
         return 0.0
     p, r = lcs / len(candidate), lcs / len(reference)
