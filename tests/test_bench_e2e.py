@@ -76,7 +76,8 @@ def test_control_rows_report_the_miss_overhead_in_the_scheduler() -> None:
     assert row["exact_spans_miss_overhead"] == pytest.approx(0.1)
     assert row["exact_spans_miss_hook_ms"] == pytest.approx(2.0)
     assert row["exact_spans_miss_overhead_in_scheduler"] == pytest.approx(2.0 / 4000.0)
-    assert "0.050" in console_table([row])
+    assert "0.050" in console_table([row], wide=True)  # hook ovh: a --wide column
+    assert "0.050" not in console_table([row])
 
 
 def test_url_option_is_validated() -> None:
@@ -229,6 +230,7 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     assert all(b > 500_000_000 for b in report["server_peak_rss_bytes"].values())
 
 
+@pytest.mark.e2e
 def test_the_reorder_system_hits_sglang_exact_prefix_cache(
     tmp_path: Path, smollm2_model_dir: Path
 ) -> None:
@@ -279,7 +281,7 @@ def test_summary_puts_both_dispatches_side_by_side() -> None:
     assert row["exact_spans_hit_rate"] == 1.0 and row[f"{SGLANG_DISPATCH}_hit_rate"] == 0.0
     assert row[f"{SGLANG_DISPATCH}_ms_p50"] == pytest.approx(3900.0)
     assert row[f"{SGLANG_DISPATCH}_reused_fraction"] == 0.0
-    table = console_table([row])
+    table = console_table([row], wide=True)
     assert "sgl-dp hit%" in table and "3900" in table
 
 

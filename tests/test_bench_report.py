@@ -32,6 +32,7 @@ from semblend_sglang.bench.plot import (
     ttft_bars,
     ttft_lines,
 )
+from semblend_sglang.bench.report import console_table
 from semblend_sglang.bench.workload_file import load_workload_file
 
 LABELS = ("rag", "template", "control", "unrelated")
@@ -113,6 +114,7 @@ def run(
                 str(root / "out"),
                 "--repeats",
                 str(REPEATS),
+                "--wide",
             ],
         )
     assert result.exit_code == 0, result.output
@@ -194,6 +196,7 @@ def test_records_carry_labels_and_rebuild_the_summary(
 
 
 def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Path]) -> None:
+    """The ``--wide`` table (every column)."""
     out, report, _ = run
     lines = out.splitlines()
     names = [row_name(r) for r in report["summary"]]
@@ -204,6 +207,9 @@ def test_console_table_has_one_line_per_label(run: tuple[str, dict[str, Any], Pa
     assert control[9] == "0"  # hit%: no hit on the control row
     assert control[-5:-1] == ["deviation", "15%", "-", "0"]  # nothing to recompute, no decline
     assert control[-1] in ("ok", "!")  # the noise flag
+    narrow = console_table(report["summary"]).splitlines()
+    assert max(len(line) for line in narrow) <= 120
+    assert narrow[0].split()[2:] == "cold exact spans speedup hit% reuse% agree noise".split()
     template = table[LABELS.index("template")].split()[:-1]
     share = (
         100

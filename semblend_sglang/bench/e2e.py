@@ -226,6 +226,12 @@ def _workload_over_essays(
 )
 @click.option("--flush/--no-flush", default=True, help="Flush server caches between groups.")
 @click.option(
+    "--wide",
+    is_flag=True,
+    help="Print every column of the console table (default: the ones a user reads first; the "
+    "JSON and the plot always hold everything).",
+)
+@click.option(
     "--systems",
     default=None,
     help=f"Systems, comma-separated, of {','.join(SYSTEMS)} (default "
@@ -271,6 +277,7 @@ def command(
     workload_file: Path | None,
     urls: tuple[str, ...],
     flush: bool,
+    wide: bool,
     systems: str | None,
     seed: int,
     model_path: str | None,
@@ -394,7 +401,7 @@ def command(
     rows = summarize(runner.records, by_label=workload_file is not None, configs=runner.configs)
     for line in settings_lines(runner.configs):
         click.echo(line)
-    click.echo(console_table(rows))
+    click.echo(console_table(rows, wide=wide))
     noise = run_noise(runner.records, rows)
     if noise["foreign_cores_max"] is not None:
         click.echo(

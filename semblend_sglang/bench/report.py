@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import textwrap
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -105,6 +106,15 @@ format, scale: 100 shows a fraction as a percentage). ``exact_spans_recompute`` 
 summary key: :func:`console_table` fills it with :func:`recompute_label`. A TTFT median
 (``*_ms_p50``) or paired ratio with a range in the row is followed by its spread
 (:func:`spread_label`)."""
+
+NARROW_COLUMNS = frozenset(
+    {"cold", "exact", "spans", "speedup", "hit%", "reuse%", "agree", "noise"}
+)
+"""The :data:`TABLE_COLUMNS` the console table shows without ``wide``: TTFT cold, exact hit and
+exact_spans, the speed-up, hit and reused shares, greedy agreement with cold, the noise flag."""
+
+CONSOLE_WIDTH = 120
+"""Columns the legend and the noise lines of the console table are wrapped to."""
 
 TABLE_LEGEND = (
     "TTFT median in ms over every repeat, then ±half its range (max - min) as % of the median. "
@@ -278,12 +288,13 @@ def _cell(value: Any, spec: str, scale: int) -> str:
     return str(value)
 
 
-def console_table(rows: Sequence[dict[str, Any]]) -> str:
+def console_table(rows: Sequence[dict[str, Any]], wide: bool = False) -> str:
     """The e2e summary rows (:func:`.e2e_summary.summarize`) as a fixed-width text table: one
-    line per row, named by :func:`.e2e_summary.row_name`, with :data:`TABLE_COLUMNS`, then
-    :data:`TABLE_LEGEND`, then one line per noisy row saying why; when a row has QA probes, a
+    line per row, named by :func:`.e2e_summary.row_name`, with :data:`NARROW_COLUMNS` (every
+    one of :data:`TABLE_COLUMNS` when ``wide``), then :data:`TABLE_LEGEND`, then one line per
+    noisy row saying why (both wrapped to :data:`CONSOLE_WIDTH`); when a row has QA probes, a
     blank line and :func:`qa_console_table`. A cell with no value shows ``-``."""
-    columns = TABLE_COLUMNS
+    columns = tuple(c for c in TABLE_COLUMNS if wide or c[0] in NARROW_COLUMNS)
     width = max([18, *(len(row_name(r)) for r in rows)])
     head = f"{'workload':{width}s} {'ctx':>5s}" + "".join(
         f" {title:>{w}s}" for title, w, *_ in columns
@@ -296,10 +307,11 @@ def console_table(rows: Sequence[dict[str, Any]]) -> str:
             for _, w, key, spec, scale in columns
         )
         lines.append(f"{row_name(r):{width}s} {r['context_tokens']:5d}{cells}")
-    lines.append(TABLE_LEGEND)
+    lines += textwrap.wrap(TABLE_LEGEND, CONSOLE_WIDTH)
     for row in rows:
         if row.get("noisy"):
-            lines.append(f"noisy: {row_name(row)} {row['context_tokens']}: {row['noisy_why']}")
+            why = f"noisy: {row_name(row)} {row['context_tokens']}: {row['noisy_why']}"
+            lines += textwrap.wrap(why, CONSOLE_WIDTH, subsequent_indent="  ")
     qa = qa_console_table(rows)
     if qa:
         lines += ["", *qa]
