@@ -164,7 +164,7 @@ class Config:
         DEFAULT_PRESET,
         "Named repair settings (quality: two checks of multi-span plans; fast: one check); "
         "a preset fills the repair settings no source sets, and a request may choose its own "
-        "(custom_params.semblend_reuse, docs/provider.md).",
+        "(custom_params.semblend_reuse, docs/sglang.md).",
         choices=tuple(PRESETS),
     )
     recompute_strategy: RecomputeStrategy = setting(
@@ -401,7 +401,44 @@ def _with_shorthand(specs: list[FieldSpec]) -> tuple[FieldSpec, ...]:
     return (*specs[:at], DISCOVERY_ONLY, *specs[at:])
 
 
-FIELDS: tuple[FieldSpec, ...] = _with_shorthand(list(specs_of(Config)))
+TUNING_SETTINGS = frozenset(
+    {
+        "strict_prefix_boundary",
+        "max_plan_donors",
+        "exact_sufficient_ratio",
+        "min_reuse_tokens",
+        "min_reuse_ratio",
+        "sink_tokens",
+        "recompute_check_layer",
+        "recompute_recheck_depth",
+        "recompute_recheck_width",
+        "recompute_check_share",
+        "recompute_check_max_spans",
+        "recompute_check_span_limit",
+        "recompute_min_deviation",
+        "quality_gate",
+        "sparse_path",
+        "max_spans",
+        "min_span_tokens",
+        "max_candidates",
+        "lookup_budget_ms",
+        "min_candidate_tokens",
+        "chunk_avg_tokens",
+        "embed_discovery",
+        "dispatch_load_margin",
+        "dispatch_index_bytes",
+        "dispatch_chunk_avg_tokens",
+        "dispatch_expire_ratio",
+    }
+)
+"""The settings that tune the mechanism (``FieldSpec.tuning``): the settings table lists them
+apart from the ones a user sets; a preset or a request's repair settings cover the repair's."""
+
+
+FIELDS: tuple[FieldSpec, ...] = tuple(
+    replace(spec, tuning=spec.name in TUNING_SETTINGS)
+    for spec in _with_shorthand(list(specs_of(Config)))
+)
 """Every setting a source may set: the Config fields in declaration order, with
 ``discovery_only`` after ``mode``."""
 SOURCES = SourceFields(FIELDS, _resolve_layer, OTHER_SEMBLEND_ENV)

@@ -81,6 +81,8 @@ class FieldSpec:
     minimum: float | None = None
     maximum: float | None = None
     json_aliases: tuple[str, ...] = ()
+    tuning: bool = False
+    """A knob of the mechanism, listed apart from what a user sets (:data:`SETTINGS_GROUPS`)."""
 
     @property
     def env(self) -> str:
@@ -249,9 +251,27 @@ def _short_allowed(spec: FieldSpec) -> str:
     return "any" if hi is None else f"<= {hi}"
 
 
+SETTINGS_GROUPS = (
+    (False, "Settings a user sets"),
+    (True, "Tuning: knobs of the mechanism; change one with the measurement that needs it"),
+)
+"""The settings table's groups, in order: (``FieldSpec.tuning``, heading)."""
+
+
 def markdown_table(specs: Iterable[FieldSpec]) -> str:
-    """The settings table of docs/provider.md: one row per spec (field, env var, CLI flag, JSON
-    keys, default, allowed values, help), ending in a newline."""
+    """The settings table of docs/provider.md: per group of :data:`SETTINGS_GROUPS`, a bold
+    heading line, then one row per spec of that group (field, env var, CLI flag, JSON keys,
+    default, allowed values, help); groups separated by a blank line, ending in a newline."""
+    specs = list(specs)
+    parts = []
+    for tuning, heading in SETTINGS_GROUPS:
+        group = [spec for spec in specs if spec.tuning == tuning]
+        if group:
+            parts.append(f"**{heading}**\n\n" + _rows(group))
+    return "\n".join(parts)
+
+
+def _rows(specs: Iterable[FieldSpec]) -> str:
     rows = [
         "| field | env var | CLI flag | JSON key | default | allowed | meaning |",
         "|---|---|---|---|---|---|---|",

@@ -279,6 +279,22 @@ def test_every_default_reads_back_from_the_table() -> None:
         assert value == spec.default, spec.name
 
 
+def test_the_table_lists_the_tuning_settings_apart() -> None:
+    from semblend_sglang.config import TUNING_SETTINGS
+    from semblend_sglang.presets import REPAIR_SETTINGS
+
+    names = {spec.name for spec in FIELDS}
+    assert TUNING_SETTINGS <= names
+    table = settings_table()
+    user, tuning = table.split("**Tuning")
+    assert "| recompute_ratio |" in user and "| preset |" in user and "| enabled |" in user
+    assert "| recompute_check_layer |" in tuning and "| recompute_ratio |" not in tuning
+    for name in names:
+        assert (f"| {name} |" in tuning) == (name in TUNING_SETTINGS), name
+    # a request's repair settings: the strategy and budget a user sets, the rest tuning
+    assert {"recompute_strategy", "recompute_ratio"} == set(REPAIR_SETTINGS) - TUNING_SETTINGS
+
+
 def test_settings_command_prints_the_table() -> None:
     from click.testing import CliRunner
 
