@@ -102,6 +102,28 @@ BAD: tuple[Call, ...] = (
         reason="semblend_reuse",
     ),
     _gen(
+        "semblend_reuse settings with an unknown key",
+        {
+            "text": "Hello",
+            "sampling_params": {
+                "max_new_tokens": 2,
+                "custom_params": {"semblend_reuse": {"preset": "fast", "no_such": 1}},
+            },
+        },
+        reason="semblend_reuse.no_such",
+    ),
+    _gen(
+        "semblend_reuse settings with a ratio out of bounds",
+        {
+            "text": "Hello",
+            "sampling_params": {
+                "max_new_tokens": 2,
+                "custom_params": {"semblend_reuse": {"recompute_ratio": 1.5}},
+            },
+        },
+        reason="semblend_reuse.recompute_ratio",
+    ),
+    _gen(
         "more top logprobs than the vocabulary",
         {"text": "Hello", "return_logprob": True, "top_logprobs_num": 10**7},
         reason="top_logprobs_num",

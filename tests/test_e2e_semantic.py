@@ -192,6 +192,13 @@ def test_a_request_that_opts_out_is_served_cold_on_both_apis(
         outcome_count(semblend_metrics(server.url), "materialized")
         == outcome_count(plain, "materialized") + 1
     )
+    # an object of repair settings is "on" with those settings, on this API too
+    before_fast = semblend_totals(server.url)["by_settings"].get("fast", {})
+    fast = {"semblend_reuse": {"preset": "fast"}}
+    third = enc("Name the essay's topic in one word.\n\n", add_special_tokens=False) + doc
+    http_json(server.url + "/v1/completions", {**body, "prompt": third, "custom_params": fast})
+    after_fast = semblend_totals(server.url)["by_settings"]["fast"]
+    assert after_fast["materialized"] == before_fast.get("materialized", 0) + 1
 
 
 ONLY_AFTER_FIRST_EVENT = frozenset({"semblend_errors_total"})

@@ -12,7 +12,8 @@ below):
   after the check layer);
 * a random Olmo2 model (a class the layer hook does not know), same settings: every plan is
   declined as ``unsupported_model`` with one log line, and the answer is the cold one;
-* the real SmolLM2 at ratio 1.0: a reusing target answers like a cold run of its prompt.
+* requests at ratio 1.0 to the session's shared SmolLM2 server (their repair settings in
+  ``custom_params.semblend_reuse``): a reusing target answers like a cold run of its prompt.
 
 Answers are compared token by token on greedy output ids and top logprobs in float32 (see
 :func:`_assert_same_answer`). Cold means the same prompt after ``/flush_cache``, which also makes
@@ -169,8 +170,15 @@ def _cold_run(url: str, target: list[int]) -> dict[str, Any]:
     return _answer(url, target)
 
 
-FULL_RATIO = "smollm2_full_ratio"
-"""The server of the real SmolLM2 with every reused position recomputed."""
+FULL_RATIO = {
+    "recompute_strategy": "deviation",
+    "recompute_ratio": 1,
+    "recompute_min_deviation": 0,
+    "recompute_check_share": 1,
+}
+"""The repair settings (``custom_params.semblend_reuse``) of a request on the real SmolLM2 that
+recomputes every reused position: RECOMPUTE_ENV's at ratio 1 (the check layer, 1, is the
+server's default)."""
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +186,7 @@ def recompute_servers(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerBatches]:
     """The module's servers in the order its classes use them (each RoPE shape, the Olmo2
-    model, SmolLM2 at ratio 1), started :data:`SERVER_BATCH` at a time."""
+    model), started :data:`SERVER_BATCH` at a time."""
     logs = tmp_path_factory.mktemp("recompute-models")
     specs = {
         name: ServerSpec(
@@ -188,11 +196,6 @@ def recompute_servers(
         )
         for name in (*RECOMPUTE_SHAPES, UNKNOWN_CLASS_SHAPE)
     }
-    specs[FULL_RATIO] = ServerSpec(
-        smollm2_model_dir,
-        env=dict(RECOMPUTE_ENV, SEMBLEND_RECOMPUTE_RATIO="1"),
-        log_path=logs / f"{FULL_RATIO}.log",
-    )
     batches = ServerBatches(specs, SERVER_BATCH)
     try:
         yield batches
@@ -210,12 +213,6 @@ def shape_server(request: pytest.FixtureRequest, recompute_servers: ServerBatche
 def unknown_server(recompute_servers: ServerBatches) -> SglangServer:
     """The real server on the random Olmo2 model, recompute env set."""
     return recompute_servers.server(UNKNOWN_CLASS_SHAPE)
-
-
-@pytest.fixture(scope="class")
-def full_ratio_server(recompute_servers: ServerBatches) -> SglangServer:
-    """The real server on SmolLM2, every reused position recomputed."""
-    return recompute_servers.server(FULL_RATIO)
 
 
 class TestRecomputeOnEachRopeShape:
@@ -286,17 +283,18 @@ class TestUnknownModelClass:
 
 
 class TestFullRecomputeRatio:
-    """SEMBLEND_RECOMPUTE_RATIO=1 on the real SmolLM2."""
+    """Requests at recompute ratio 1 (:data:`FULL_RATIO`) to the session's shared SmolLM2
+    server (tests/conftest.py ``semblend_server``)."""
 
     def test_full_recompute_ratio_answers_like_a_cold_run(
-        self, full_ratio_server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
+        self, semblend_server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str]
     ) -> None:
         """A target that plans reuse of the donor's passage but recomputes all of it gives the
         cold run's greedy tokens and top logprobs; every copied position is counted recomputed,
         none reused."""
         donor, target, passage = _prompts(smollm2_tokenizer, essay_texts)
-        url = full_ratio_server.url
-        got = _reuse_run(url, donor, target)
+        url = semblend_server.url
+        got = _reuse_run(url, donor, target, semblend_reuse=FULL_RATIO)
         stats = got["semblend"]
         assert stats["materialized"] == 1, stats
         assert stats["copied_tokens"] > passage // 2, stats
