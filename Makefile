@@ -38,7 +38,7 @@ MATRIX := $(MATRIX_EXTRA) sglang
 TESTS_MATRIX = tests/contract tests/test_e2e_matrix.py
 MATRIX_LOGS ?= .cache/test-matrix
 
-.PHONY: venv test lint bench bench-quality serve prepare-model clean test-matrix \
+.PHONY: venv test test-fast lint bench bench-quality serve prepare-model clean test-matrix \
 	$(addprefix venv-,$(PROFILES) $(MATRIX_EXTRA)) $(addprefix test-,$(PROFILES))
 
 $(addprefix venv-,$(PROFILES)): venv-%:
@@ -74,6 +74,11 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 test: lint test-sglang
+
+# The inner loop (never CI's only suite): lint, then every test of the main suite that starts no
+# real server (marker e2e deselected; tests/conftest.py fails a test that starts one anyway).
+test-fast: lint
+	SEMBLEND_TEST_FAST=1 $(PY) -m pytest -q $(TESTS_sglang) -m "not e2e" $(PYTEST_ARGS)
 
 prepare-model: venv
 	$(VENV)/bin/semblend-sglang prepare-model

@@ -47,6 +47,28 @@ def test_kv_pool() -> Iterator[None]:
         yield
 
 
+FAST_ENV = "SEMBLEND_TEST_FAST"
+"""Set by ``make test-fast``: a test that starts a real server fails, naming the e2e marker."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_server_in_the_fast_tier() -> Iterator[None]:
+    """Under ``make test-fast`` (:data:`FAST_ENV`), :func:`semblend_sglang.server.start_server`
+    fails the test that calls it: such a test belongs to the e2e marker, which the fast tier
+    deselects."""
+    if os.environ.get(FAST_ENV) != "1":
+        yield
+        return
+    from semblend_sglang import server
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        pytest.fail("this test starts a real server: mark it e2e (make test-fast deselects those)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server, "start_server", refuse)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_model_dir() -> Path:
     """Prepared HF folder of SmolLM2-135M-Instruct (bf16), converted once per cache dir."""
