@@ -16,7 +16,8 @@ a run on random weights (the GPU kit's, docs/gpu-kit.md) can still prove the reu
 
 Each comparison is the largest absolute difference of the first generated token's logprobs over
 :data:`PROBE_COUNT` fixed token ids (``token_ids_logprob``), so near-ties of random logits do not
-decide it. Servers are started here (one per role of :data:`ROLE_ENV`) or given by URL.
+decide it. Servers are started here (one per distinct settings of the roles of
+:data:`ROLE_ENV`) or given by URL.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ _SPARSE = {
     "SEMBLEND_RECOMPUTE_CHECK_SHARE": "1",
     "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
 }
+_POSITION_MASK = {**_SPARSE, "SEMBLEND_SPARSE_PATH": "position_mask"}
 ROLE_ENV: dict[str, dict[str, str]] = {
-    "recompute_all": {**_SPARSE, "SEMBLEND_RECOMPUTE_RATIO": "1"},
+    # its requests recompute every copied position (RECOMPUTE_ALL), so no path is sparse: it
+    # shares the position_mask role's server
+    "recompute_all": _POSITION_MASK,
     "delta_zero": {
         "SEMBLEND_ENABLED": "1",
         "SEMBLEND_RECOMPUTE_STRATEGY": "heads",
@@ -59,12 +63,16 @@ ROLE_ENV: dict[str, dict[str, str]] = {
         "SEMBLEND_SINK_TOKENS": "0",
     },
     "split_view": {**_SPARSE, "SEMBLEND_SPARSE_PATH": "split_view"},
-    "position_mask": {**_SPARSE, "SEMBLEND_SPARSE_PATH": "position_mask"},
+    "position_mask": _POSITION_MASK,
 }
-"""The semblend settings of each server role (``delta_zero``: no copied position recomputed, not
-even a span's first ``sink_tokens``, so a copy is kept as copied). ``split_view`` needs a
-backend with both paths (triton); torch_native (the CPU server) attends every sparse batch with
-the position mask."""
+"""The semblend settings of each role's server (``delta_zero``: no copied position recomputed,
+not even a span's first ``sink_tokens``, so a copy is kept as copied); roles with the same
+settings share one server. ``split_view`` needs a backend with both paths (triton); torch_native
+(the CPU server) attends every sparse batch with the position mask."""
+
+RECOMPUTE_ALL: dict[str, Any] = {"recompute_ratio": 1.0}
+"""The repair settings (``custom_params.semblend_reuse``) of the ``recompute_all`` check's hit:
+its server's, at ratio 1."""
 
 
 @dataclass(frozen=True)
@@ -177,10 +185,10 @@ def _after_donor(url: str, prompts: Prompts, probes: Sequence[int]) -> dict[str,
 def check_recompute_all(
     url: str, prompts: Prompts, probes: Sequence[int], tol: float
 ) -> CheckResult:
-    """On a ``recompute_all`` server: the hit recomputes every copied position and answers as
-    cold."""
+    """On a ``recompute_all`` server: the hit, sent with :data:`RECOMPUTE_ALL`, recomputes
+    every copied position and answers as cold."""
     before = _after_donor(url, prompts, probes)
-    hit = answer(url, prompts.target, probes)
+    hit = answer(url, prompts.target, probes, semblend_reuse=RECOMPUTE_ALL)
     after = _totals(url)
     cold = answer(url, prompts.target, probes, salt=f"cold-{uuid.uuid4().hex}")
     detail = {
@@ -308,8 +316,8 @@ def command(
     server_args: tuple[str, ...],
     out_dir: Path,
 ) -> None:
-    """Start one semblend server per role, run the checks, write ``any-weights.json``; exit 1
-    when a check fails."""
+    """Start one semblend server per distinct role settings (:data:`ROLE_ENV`), run the checks,
+    write ``any-weights.json``; exit 1 when a check fails."""
     from ..cpu_runtime import ensure_torchvision_importable
 
     ensure_torchvision_importable()
@@ -327,23 +335,27 @@ def command(
     prompts = build_prompts(tokenizer, passage, passage_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    shared: dict[str, list[str]] = {}  # one server per distinct role settings
+    for role in names:
+        shared.setdefault(json.dumps(ROLE_ENV[role], sort_keys=True), []).append(role)
     specs = [
         ServerSpec(
             model_path,
             extra_args=list(server_args),
-            env=ROLE_ENV[role],
-            log_path=out_dir / f"any-weights-{role}-server.log",
+            env=ROLE_ENV[roles_of[0]],
+            log_path=out_dir / f"any-weights-{'+'.join(roles_of)}-server.log",
         )
-        for role in names
+        for roles_of in shared.values()
     ]
-    servers = dict(zip(names, start_healthy(specs, timeout=600), strict=True))
+    servers = start_healthy(specs, timeout=600)
     try:
         click.echo(f"servers healthy after {time.monotonic() - started:.0f}s", err=True)
-        results = run_checks(
-            {r: s.url for r, s in servers.items()}, prompts, len(tokenizer), tolerance
-        )
+        urls = {
+            r: srv.url for srv, group in zip(servers, shared.values(), strict=True) for r in group
+        }
+        results = run_checks(urls, prompts, len(tokenizer), tolerance)
     finally:
-        for server in servers.values():
+        for server in servers:
             server.stop()
     report = {"model": model_path, "roles": names, "results": [asdict(r) for r in results]}
     (out_dir / "any-weights.json").write_text(json.dumps(report, indent=1) + "\n")
