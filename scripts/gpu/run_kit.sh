@@ -15,7 +15,7 @@
 #          not carried);
 #   3      the checks that hold for any weights (python -m semblend_sglang.bench any-weights):
 #          recompute-all = cold, delta 0 = the KV an exact hit serves, split view = position
-#          mask = dense reference; four servers of a random llama3-scaling model (tests/harness/
+#          mask = dense reference; three servers of a random llama3-scaling model (tests/harness/
 #          random_models.py, built here), bf16, logprob tolerance $AW_TOLERANCE (0.25);
 #   2      the 8B shape at 2,048 / 8,192 / 32,768 tokens on cross_instruction and rag: cold vs
 #          exact hit vs semblend, hits from the servers' own counters.
@@ -182,7 +182,7 @@ PY
 }
 
 # Stage 3: build the random model (tests/harness/random_models.py, loaded by path: the tests
-# package itself imports the cache harness), then run the checks on four servers of it.
+# package itself imports the cache harness), then run the checks on three servers of it.
 any_weights() {
   set -e
   local model serve_flags
