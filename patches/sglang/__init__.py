@@ -60,8 +60,9 @@ def patch_radix_cache(config: Config | None = None) -> SglangAdapter | None:
     """Install semblend's hooks into the installed sglang; idempotent.
 
     ``config`` defaults to ``Config.from_env()``. Returns the installed adapter, or None (after one
-    warning) when no adapter supports the installed sglang version. Call it before an in-process
-    ``sglang.Engine`` is created; servers get it through the plugin.
+    warning) when no adapter supports the installed sglang version. It patches this process
+    only, for code that builds SGLang's scheduler here; ``sglang.Engine`` and servers spawn
+    their schedulers, which get it through the plugin (``SEMBLEND_ENABLED=1``).
     """
     global _installed
     with _lock:
