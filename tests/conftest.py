@@ -140,3 +140,24 @@ def semblend_server(
     env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(sgl_kernel_standin_log)}
     with healthy_server(smollm2_model_dir, log, env, ["--enable-metrics"]) as srv:
         yield srv
+
+
+VANILLA_CONTEXT = 1024
+"""The shared vanilla server's ``--context-length``: small, so test_e2e_bad_input's prompt at the
+limit is cheap to compute; every other prompt sent to it is shorter."""
+
+
+@pytest.fixture(scope="session")
+def vanilla_server(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangServer]:
+    """One real SGLang server with semblend off (``SEMBLEND_ENABLED=0``: the plugin installs the
+    request guard only) at a :data:`VANILLA_CONTEXT`-token context, shared by the tests that
+    compare semblend with vanilla SGLang (test_sglang_kits.py) and test_e2e_bad_input.py's
+    "off" mode. Stopped at the end of the session."""
+    from tests.harness.server import healthy_server
+
+    log = tmp_path_factory.mktemp("vanilla-server") / "server.log"
+    args = ["--context-length", str(VANILLA_CONTEXT)]
+    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "0"}, args) as srv:
+        yield srv

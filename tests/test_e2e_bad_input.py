@@ -26,12 +26,13 @@ from urllib.parse import urlsplit
 import pytest
 
 from semblend_sglang.bench.client import health_generate
-from semblend_sglang.server import ServerSpec, SglangServer
-from tests.harness.server import SERVER_BATCH, ServerBatches, generate, semblend_totals
+from semblend_sglang.server import SglangServer
+from tests.conftest import VANILLA_CONTEXT
+from tests.harness.server import generate, healthy_server, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
-CONTEXT = 1024
+CONTEXT = VANILLA_CONTEXT
 """The servers' ``--context-length``: small, so a prompt at the limit is cheap to compute."""
 
 MAX_PROMPT = CONTEXT - 1 - 5 - 1
@@ -207,33 +208,22 @@ guard only)."""
 
 
 @pytest.fixture(scope="module")
-def servers(
+def semblend_at_the_context(
     smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerBatches]:
-    """A real server per :data:`MODES` at a 1,024-token context, started
-    :data:`SERVER_BATCH` at a time."""
-    logs = tmp_path_factory.mktemp("bad-input")
+) -> Iterator[SglangServer]:
+    """The real server with semblend on (default settings) at a :data:`CONTEXT`-token context."""
+    log = tmp_path_factory.mktemp("bad-input") / "on.log"
     args = ["--context-length", str(CONTEXT), "--max-total-tokens", "16384"]
-    specs = {
-        mode: ServerSpec(
-            smollm2_model_dir,
-            extra_args=args,
-            env={"SEMBLEND_ENABLED": "1" if mode == "on" else "0"},
-            log_path=logs / f"{mode}.log",
-        )
-        for mode in MODES
-    }
-    batches = ServerBatches(specs, SERVER_BATCH)
-    try:
-        yield batches
-    finally:
-        batches.stop()
+    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module", params=MODES)
-def server(request: pytest.FixtureRequest, servers: ServerBatches) -> tuple[str, SglangServer]:
-    """The :data:`MODES` server named by the parameter, with its mode."""
-    return request.param, servers.server(request.param)
+def server(request: pytest.FixtureRequest) -> tuple[str, SglangServer]:
+    """The :data:`MODES` server named by the parameter, with its mode: "off" is the session's
+    shared vanilla server (tests/conftest.py ``vanilla_server``, the same context length)."""
+    name = "semblend_at_the_context" if request.param == "on" else "vanilla_server"
+    return request.param, request.getfixturevalue(name)
 
 
 def test_every_bad_request_gets_a_reason_and_the_server_keeps_serving(
