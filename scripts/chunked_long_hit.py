@@ -1,5 +1,6 @@
 """Does a long semantic hit take one forward pass under a small ``--chunked-prefill-size``, and at
-what TTFT beside the same request without chunking? (docs/perf.md, "At 8,192-token prompts")
+what TTFT beside the same request without chunking? (docs/perf-archive.md, "Long prompts: 4,096
+and 8,192 tokens")
 
 Two semblend (exact_spans) servers side by side: one with ``--chunked-prefill-size CHUNK``, one
 with ``--chunked-prefill-size -1`` (no chunking). For each built-in ``cross_instruction`` group

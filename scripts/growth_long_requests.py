@@ -1,4 +1,5 @@
-"""What semblend's state holds after many long requests (docs/perf.md, "At 8,192-token prompts").
+"""What semblend's state holds after many long requests (docs/perf-archive.md, "Long prompts:
+4,096 and 8,192 tokens").
 
 Drives ``--requests`` requests of the built-in workloads at ``--tokens`` (cross_instruction,
 rag, rag_corpus, template, 2 groups each: each group's donors, then its probes, each run to its

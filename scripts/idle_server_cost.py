@@ -1,5 +1,5 @@
 """Does the SGLang server the bench is not asking take CPU from the one it is measuring?
-(docs/perf.md, "Two servers on two cores")
+(docs/perf-archive.md, "Two servers on two cores")
 
 The e2e bench runs its systems side by side, one server each, interleaved per probe: while
 server A (vanilla) answers, server B (semblend exact_spans) has either been idle for a while or

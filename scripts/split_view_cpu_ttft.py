@@ -1,5 +1,5 @@
-"""torch_native off the CPU runtime's default beside it, on the real CPU server (docs/perf.md,
-"Split view on the CPU server").
+"""torch_native off the CPU runtime's default beside it, on the real CPU server
+(docs/perf-archive.md, "Split view on the CPU server").
 
 Two semblend (exact_spans) servers side by side: ``query_only`` (the CPU runtime's default: every
 extend batch runs the query-only extend on the real batch, masked by position) and ``split_view``

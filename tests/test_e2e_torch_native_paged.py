@@ -2,7 +2,7 @@
 CPU server with ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0`` runs SGLang's own SDPA extend for ordinary
 batches (what a torch_native server does on another device) at ``--page-size 16``, and a batch
 holding a sparse request runs the position-masked query-only extend (faster than SGLang's SDPA
-over the split view: docs/perf.md). A semantic hit (reordered passages; another instruction)
+over the split view: docs/perf-archive.md). A semantic hit (reordered passages; another instruction)
 reuses and is counted on the position-mask path. A one-span hit (another instruction) answers as
 the same prompt computed cold; a multi-span one (reordered passages, 15% recomputed: approximate
 by design) answers as its dense reference (every position computed, the unselected ones on the

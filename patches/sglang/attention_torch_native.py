@@ -3,9 +3,9 @@ torch_native``, the CPU server's): a batch holding a sparse request runs
 :func:`extend_attention_query_only` on the real batch (SGLang's ``forward_extend`` with its SDPA
 call replaced), which masks by position itself. SGLang's own SDPA extend would carry the split
 view correctly (it writes the pass's KV first), but it loops over sequences, one per run, which
-is slower (docs/perf.md, "Split view on the CPU server: torch_native"). With the CPU runtime's
-query-only extend on (:func:`.attention.install_cpu_query_only_extend`), every extend batch runs
-the query-only extend.
+is slower (docs/perf-archive.md, "Split view on the CPU server: torch_native"). With the CPU
+runtime's query-only extend on (:func:`.attention.install_cpu_query_only_extend`), every extend
+batch runs the query-only extend.
 """
 
 from __future__ import annotations
