@@ -35,7 +35,7 @@ from .config_fields import (
     setting,
     specs_of,
 )
-from .presets import DEFAULT_PRESET, PRESETS
+from .presets import DEFAULT_PRESET, PRESETS, TUNING_SETTINGS
 from .recompute_strategy import RecomputeStrategy, ReuseMode
 
 __all__ = [
@@ -399,40 +399,6 @@ DISCOVERY_ONLY = FieldSpec(
 def _with_shorthand(specs: list[FieldSpec]) -> tuple[FieldSpec, ...]:
     at = next(i for i, spec in enumerate(specs) if spec.name == "mode") + 1
     return (*specs[:at], DISCOVERY_ONLY, *specs[at:])
-
-
-TUNING_SETTINGS = frozenset(
-    {
-        "strict_prefix_boundary",
-        "max_plan_donors",
-        "exact_sufficient_ratio",
-        "min_reuse_tokens",
-        "min_reuse_ratio",
-        "sink_tokens",
-        "recompute_check_layer",
-        "recompute_recheck_depth",
-        "recompute_recheck_width",
-        "recompute_check_share",
-        "recompute_check_max_spans",
-        "recompute_check_span_limit",
-        "recompute_min_deviation",
-        "quality_gate",
-        "sparse_path",
-        "max_spans",
-        "min_span_tokens",
-        "max_candidates",
-        "lookup_budget_ms",
-        "min_candidate_tokens",
-        "chunk_avg_tokens",
-        "embed_discovery",
-        "dispatch_load_margin",
-        "dispatch_index_bytes",
-        "dispatch_chunk_avg_tokens",
-        "dispatch_expire_ratio",
-    }
-)
-"""The settings that tune the mechanism (``FieldSpec.tuning``): the settings table lists them
-apart from the ones a user sets; a preset or a request's repair settings cover the repair's."""
 
 
 FIELDS: tuple[FieldSpec, ...] = tuple(

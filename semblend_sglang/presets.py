@@ -1,4 +1,5 @@
-"""The repair settings a request may choose, and the named presets of them.
+"""The setting groups: the repair settings a request may choose, the named presets of them,
+and the settings that tune the mechanism.
 
 A *preset* is a named set of values for some of :data:`REPAIR_SETTINGS`; the others keep their
 defaults. The server takes one with ``--semblend-preset`` / ``SEMBLEND_PRESET`` (a preset fills
@@ -39,3 +40,36 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 """Preset name -> the repair settings it sets (the rest are their defaults)."""
 
 DEFAULT_PRESET = "quality"
+
+TUNING_SETTINGS = frozenset(
+    {
+        "strict_prefix_boundary",
+        "max_plan_donors",
+        "exact_sufficient_ratio",
+        "min_reuse_tokens",
+        "min_reuse_ratio",
+        "sink_tokens",
+        "recompute_check_layer",
+        "recompute_recheck_depth",
+        "recompute_recheck_width",
+        "recompute_check_share",
+        "recompute_check_max_spans",
+        "recompute_check_span_limit",
+        "recompute_min_deviation",
+        "quality_gate",
+        "sparse_path",
+        "max_spans",
+        "min_span_tokens",
+        "max_candidates",
+        "lookup_budget_ms",
+        "min_candidate_tokens",
+        "chunk_avg_tokens",
+        "embed_discovery",
+        "dispatch_load_margin",
+        "dispatch_index_bytes",
+        "dispatch_chunk_avg_tokens",
+        "dispatch_expire_ratio",
+    }
+)
+"""The settings that tune the mechanism (``FieldSpec.tuning``): the settings table lists them
+apart from the ones a user sets; a preset or a request's repair settings cover the repair's."""

@@ -134,7 +134,7 @@ def test_gate_declines_and_recomputed_tokens_land_in_their_own_cell() -> None:
         int(0.05 * copied) / copied
     )
 
-    table = console_table(list(rows.values())).splitlines()
+    table = console_table(list(rows.values()), wide=True).splitlines()
     head = table[0].split()
     assert head[-4:] == ["recompute", "recomp%", "gated", "noise"]
     gated_line = next(line for line in table if line.startswith("rag") and " 1024 " in line)
@@ -162,7 +162,7 @@ def test_a_server_without_the_recompute_keys_reports_them_unknown_and_zero() -> 
     assert row["exact_spans_recompute_share"] == 0.0
     assert recompute_label(row) == "? ?"
     assert settings_lines(runner.configs) == ["exact_spans: settings not reported"]
-    assert console_table([row]).splitlines()[2].split()[-5:-1] == ["?", "?", "0", "0"]
+    assert console_table([row], wide=True).splitlines()[2].split()[-5:-1] == ["?", "?", "0", "0"]
     # A config without the new keys (a semblend server from before them) reads the same.
     (row,) = summarize(runner.records, configs={"exact_spans": {"mode": "exact_spans"}})
     assert recompute_label(row) == "? ?"
@@ -182,7 +182,7 @@ def test_rows_without_a_semblend_system_have_no_recompute_cell() -> None:
     rec = ProbeRecord("rag", 512, "g0", 0, "vanilla", "cold", 1.0, 512, 0, donors=1)
     (row,) = summarize([rec], configs={"exact_spans": dict(RESOLVED_CONFIG)})
     assert "exact_spans_recompute_strategy" not in row and recompute_label(row) is None
-    assert console_table([row]).splitlines()[2].split()[-4:-1] == ["-", "-", "-"]
+    assert console_table([row], wide=True).splitlines()[2].split()[-4:-1] == ["-", "-", "-"]
 
 
 def test_recompute_label_formats_the_ratio_as_a_percentage() -> None:

@@ -280,8 +280,7 @@ def test_every_default_reads_back_from_the_table() -> None:
 
 
 def test_the_table_lists_the_tuning_settings_apart() -> None:
-    from semblend_sglang.config import TUNING_SETTINGS
-    from semblend_sglang.presets import REPAIR_SETTINGS
+    from semblend_sglang.presets import REPAIR_SETTINGS, TUNING_SETTINGS
 
     names = {spec.name for spec in FIELDS}
     assert TUNING_SETTINGS <= names

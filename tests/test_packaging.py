@@ -259,7 +259,8 @@ def test_installed_console_script_prints_the_settings(installed: Path) -> None:
     cli_module = result.stderr.rsplit("cli-module: ", 1)[1].strip()
     assert cli_module.startswith(str(installed) + os.sep), cli_module
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("|") and len(lines) > 10, result.stdout[:2000]
+    assert lines[0].startswith("**Settings a user sets") and len(lines) > 10, result.stdout[:2000]
+    assert lines[2].startswith("| field |"), result.stdout[:2000]
     for name in ("SEMBLEND_ENABLED", "SEMBLEND_MODE", "--semblend-mode"):
         assert name in result.stdout, name
 
