@@ -164,7 +164,7 @@ def _assert_dense_reference_answers_alike_and_not_cold(
     after = semblend_totals(url)
     assert after["recomputed_tokens"] - before["recomputed_tokens"] == recomputed
     _assert_same_answer(sparse, dense)
-    cold = _answer(url, prompt, salt="cold")
+    cold = _answer(url, prompt, salt="recompute-cold")
     assert max(abs(a - b) for a, b in zip(dense[1], cold[1], strict=True)) > 10 * LOGPROB_TOLERANCE
 
 
@@ -332,7 +332,7 @@ def test_a_gate_that_refuses_recomputes_everything_and_answers_like_cold(
     assert after["recompute_gated"] == before["recompute_gated"] + 1
     assert after["reused_tokens"] == before["reused_tokens"]
     assert after["recomputed_tokens"] - before["recomputed_tokens"] >= 800
-    cold = _answer(url, target, salt="cold")
+    cold = _answer(url, target, salt="recompute-cold")
     _assert_same_answer(gated, cold)
     # the gated request published nothing from its first copied position on: a repeat is not
     # an exact hit of its KV
