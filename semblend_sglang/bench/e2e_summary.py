@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..presets import REPAIR_SETTINGS
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
 from .machine_load import FOREIGN_LOAD_LIMIT
 from .metrics import (
@@ -42,20 +43,11 @@ TTFT_KINDS: tuple[tuple[str, str], ...] = (
 )
 """(system, kind) pairs with TTFT columns: ``{kind}_ms_*`` for vanilla, ``{system}_ms_*`` else."""
 
-RECOMPUTE_SETTINGS = (
-    "recompute_strategy",
-    "recompute_ratio",
-    "recompute_check_layer",
-    "recompute_recheck_depth",
-    "recompute_recheck_width",
-    "recompute_check_share",
-    "recompute_check_max_spans",
-    "recompute_check_span_limit",
-    "recompute_min_deviation",
-    "quality_gate",
-)
+RECOMPUTE_SETTINGS = (*REPAIR_SETTINGS[:2], "recompute_check_layer", *REPAIR_SETTINGS[2:])
 """The resolved settings (keys of the server's snapshot ``config``) each semblend system's rows
-repeat as ``{system}_{setting}``; None where the server did not report one (an older server)."""
+repeat as ``{system}_{setting}``, in this order: a request's repair settings
+(:data:`~semblend_sglang.presets.REPAIR_SETTINGS`) and the server's check layer; None where the
+server did not report one (an older server)."""
 QUALITY_GATE = "quality_gate"
 """The decline reason of a reuse the quality gate turned into a full recompute."""
 
