@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -125,6 +127,13 @@ def _rec(
     )  # type: ignore[arg-type]
 
 
+def _markdown_cell(row: dict[str, Any], header: str) -> str:
+    """The cell under ``header`` of ``row``'s line in the markdown table."""
+    head, _, line = markdown_table([{"summary": [row]}]).splitlines()[:3]
+    names = [c.strip() for c in head.strip("|").split("|")]
+    return [c.strip() for c in line.strip("|").split("|")][names.index(header)]
+
+
 def test_summary_of_hand_made_records() -> None:
     records = [
         _rec("vanilla", "cold", 4.0, [1, 2, 3, 4], reference_logprobs=[-1.0, -1.0]),
@@ -149,7 +158,7 @@ def test_summary_of_hand_made_records() -> None:
     assert row["exact_greedy_agreement"] == 1.0
     assert row["exact_spans_divergent_hits"] == 1  # parts at position 2
     assert row["exact_spans_divergence_margin"] is None  # the cold run recorded no margins
-    margin_cell = markdown_table([{"summary": [row]}]).splitlines()[2].split("|")[-3].strip()
+    margin_cell = _markdown_cell(row, "cold margin at divergence")
     assert margin_cell == "?"  # parted, margin unknown (a schema-4 report)
     assert "cross_instruction" in console_table([row])
 
@@ -170,10 +179,48 @@ def test_summary_reports_the_cold_margin_where_hits_part_from_cold() -> None:
     records.append(probe("g2", [1, 2, 8], "declined:no_donor"))  # not a hit: left out
     (row,) = summarize(records)
     assert row["exact_spans_divergent_hits"] == 2
-    cells = markdown_table([{"summary": [row]}]).splitlines()[2].split("|")
-    assert cells[-3].strip() == "0.600"
+    assert _markdown_cell(row, "cold margin at divergence") == "0.600"
     assert row["exact_spans_divergence_margin"] == pytest.approx(0.6)  # median of 0.3, 0.9
     assert row["exact_spans_divergence_margin_max"] == pytest.approx(0.9)
+
+
+def test_kl_columns_split_hits_by_spans_beside_the_exact_hits_floor() -> None:
+    """SGLang's KL measure per row: a semblend system's hits (one-span and multi-span apart),
+    the exact hit of the same length and cold; a miss and a record without a replay count in
+    none of them."""
+
+    def run(system: str, kind: str, out: list[float], replay: list[float], **kw: Any) -> Any:
+        return _rec(system, kind, 1.0, [1, 2], output_logprobs=out, replay_logprobs=replay, **kw)
+
+    one = run(
+        "exact_spans", "semantic", [-2.0, -1.0], [-1.0, -1.0], outcome="materialized", spans=1
+    )
+    multi = run(
+        "exact_spans", "semantic", [-1.0, -1.0], [-1.0, -3.0], outcome="materialized", spans=3
+    )
+    miss = run(
+        "exact_spans", "semantic", [-5.0, -1.0], [-1.0, -1.0], outcome="declined:no_donor", spans=0
+    )
+    unreplayed = run("exact_spans", "semantic", [-5.0], [], outcome="materialized", spans=1)
+    records = [
+        run("vanilla", "cold", [-1.0, -1.0], [-1.0, -1.0]),
+        run("vanilla", "exact_same_length", [-1.0, -1.0], [-1.0, -1.0 + 1e-3]),
+        one,
+        multi,
+        miss,
+        unreplayed,
+    ]
+    (row,) = summarize(records)
+    kl_one = (math.e - 2) / 2
+    kl_multi = (math.exp(-2) + 1) / 2
+    assert row["exact_spans_kl_one_span"] == pytest.approx(kl_one)
+    assert row["exact_spans_kl_multi_span"] == pytest.approx(kl_multi)
+    assert row["exact_spans_kl"] == pytest.approx((kl_one + kl_multi) / 2)
+    assert row["exact_spans_kl_max"] == pytest.approx(max(kl_one, kl_multi))
+    assert row["cold_kl"] == 0.0
+    assert row["exact_kl"] == pytest.approx((math.exp(1e-3) - 1 - 1e-3) / 2)
+    assert row["reorder_kl"] is None  # no reorder run
+    assert _markdown_cell(row, "KL (hits)") == f"{(kl_one + kl_multi) / 2:.1e}"
 
 
 @pytest.mark.e2e

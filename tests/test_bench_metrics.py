@@ -14,6 +14,7 @@ from semblend_sglang.bench.metrics import (
     fraction,
     greedy_agreement,
     input_logprobs_from_meta,
+    kl_divergence,
     mcnemar_exact,
     miss_overhead,
     percentile,
@@ -218,3 +219,30 @@ def test_read_answer_normalizes_like_the_scoring() -> None:
     assert read_answer("", "span") == ""
     with pytest.raises(ValueError, match="answer kind"):
         read_answer("yes", "multiple_choice")
+
+
+def test_kl_divergence_is_sglangs_own_kl_measure() -> None:
+    """Ours against sglang's ``compare_kl_divergence`` (its CI's gate): on the same samples, a
+    threshold just above our mean passes it and one just below fails it."""
+    from sglang.test.kl_test_utils import compare_kl_divergence
+
+    rng = random.Random(11)
+    outputs = [[-rng.uniform(0.01, 4.0) for _ in range(n)] for n in (1, 7, 32)]
+    replays = [[min(0.0, o + rng.gauss(0.0, 0.4)) for o in row] for row in outputs]
+    ours = sum(kl_divergence(o, r) for o, r in zip(outputs, replays, strict=True)) / 3
+    assert ours > 0
+
+    def gate(threshold: float) -> None:
+        limits = {"m": {"kl_div": threshold}}
+        compare_kl_divergence(replays, outputs, limits, "m", "ours")
+
+    gate(ours * (1 + 1e-9))
+    with pytest.raises(AssertionError, match="avg_kl_div"):
+        gate(ours * (1 - 1e-9))
+    assert kl_divergence([-1.5, -0.2], [-1.5, -0.2]) == 0.0  # the cold distribution itself
+    # exp(r) - 1 - r with r = replay - output, e.g. r = 1 at one token of two
+    assert kl_divergence([-2.0, -1.0], [-1.0, -1.0]) == pytest.approx((math.e - 2) / 2)
+    with pytest.raises(ValueError, match="1 output vs 2 replay"):
+        kl_divergence([-1.0], [-1.0, -2.0])
+    with pytest.raises(ValueError, match="no values"):
+        kl_divergence([], [])

@@ -120,6 +120,10 @@ class _RecordingClient:
         self.log.append((self.name, "reference", 0))
         return [-1.0] * len(reference)
 
+    def cold_replay_logprobs(self, prompt: Any, answer: Any) -> list[float]:
+        self.log.append((self.name, "replay", len(answer)))
+        return [-1.0] * len(answer)
+
 
 def test_runner_interleaves_systems_per_probe_and_decodes_in_the_first_repeat_only() -> None:
     log: list[tuple[str, str, int]] = []
@@ -147,7 +151,21 @@ def test_runner_interleaves_systems_per_probe_and_decodes_in_the_first_repeat_on
     flushes = [n for n, what, _ in log if what == "flush"]
     assert flushes == ["exact_spans"] + ["exact_spans", "vanilla", "vanilla"] * 3
     semantic_log = [what for name, what, _ in log if name == "exact_spans"]
-    assert semantic_log[:6] == ["flush", "generate", "generate", "flush", "generate", "reference"]
+    assert semantic_log[:7] == [
+        *("flush", "generate", "generate", "replay"),  # the answer replayed cold: no flush
+        *("flush", "generate", "reference"),
+    ]
+    # the first repeat's decoded answers are replayed (semantic, cold), each once, whole
+    assert [(n, k) for n, what, k in log if what == "replay"] == [
+        ("exact_spans", 4),
+        ("vanilla", 4),
+    ]
+    assert all(
+        r.replay_logprobs == [-1.0] * 4
+        for r in runner.records
+        if r.repeat == 0 and r.kind != "prefix"
+    )
+    assert all(not r.replay_logprobs for r in runner.records if r.repeat > 0)
     # progress counts vanilla's exact_same_length too (skipped here: nothing was reused) and the
     # donor resent before the semantic reference
     assert requests_per_group(group, ["vanilla", "exact_spans"], 3) == 3 * (2 + 4) + 1
@@ -157,8 +175,9 @@ def test_runner_interleaves_systems_per_probe_and_decodes_in_the_first_repeat_on
 
 
 def test_answers_only_sends_what_the_answers_need_and_nothing_else() -> None:
-    """A quality run: the semblend probe after its donors and vanilla's cold probe, once; no
-    vanilla prefix, exact hit or reference, and no donors resent for a reference."""
+    """A quality run: the semblend probe after its donors and vanilla's cold probe, once, each
+    answer replayed cold (KL); no vanilla prefix, exact hit or reference, and no donors resent
+    for a reference."""
     log: list[tuple[str, str, int]] = []
     clients: Any = {
         "exact_spans": _RecordingClient("exact_spans", log, True),
@@ -182,8 +201,10 @@ def test_answers_only_sends_what_the_answers_need_and_nothing_else() -> None:
         ("exact_spans", "generate"),
         ("exact_spans", "generate"),
         ("exact_spans", "generate"),
+        ("exact_spans", "replay"),  # KL needs no flush, no donors again
         ("vanilla", "flush"),
         ("vanilla", "generate"),
+        ("vanilla", "replay"),
     ]
     assert all(not r.reference_logprobs for r in runner.records)
     assert sum(steps) == requests_per_group(group, ["vanilla", "exact_spans"], 1, True) == 4

@@ -337,6 +337,9 @@ class _FakeServer:
     def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:
         return [-0.5] * len(reference)
 
+    def cold_replay_logprobs(self, prompt: Sequence[int], answer: Sequence[int]) -> list[float]:
+        return [-0.5] * len(answer)
+
 
 def test_runner_records_carry_the_probe_gold_and_the_summary_scores_them(built: dict) -> None:
     workload = built["qa_rag", 512]

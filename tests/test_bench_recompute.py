@@ -231,9 +231,10 @@ def test_markdown_table_puts_each_workloads_settings_side_by_side(tmp_path: Path
     lines = markdown_table(reports).splitlines()
     assert lines[0].startswith("| strategy | ratio | min dev | check | workload | ctx | cold |")
     assert lines[0].endswith(
-        "| gate declines | greedy agree (hits) | cold margin at divergence | PPL ratio |"
+        "| gate declines | greedy agree (hits) | cold margin at divergence | PPL ratio "
+        "| KL (hits) | KL (exact hit) |"
     )
-    assert lines[1] == "|" + "---|" * 18
+    assert lines[1] == "|" + "---|" * 20
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     assert [c[:6] for c in cells] == [
         ["?", "?", "?", "?", "rag", "512"],

@@ -1,6 +1,7 @@
 """The bench's one HTTP client of an SGLang server: streamed greedy ``/generate`` (server-sent
-events), teacher-forced reference logprobs, ``/flush_cache``, ``/health_generate`` and
-semblend's ``GET /semblend/snapshot`` (its counters, and the settings the server resolved).
+events), teacher-forced reference logprobs and cold replays of an answer, ``/flush_cache``,
+``/health_generate`` and semblend's ``GET /semblend/snapshot`` (its counters, and the settings
+the server resolved).
 Every bench job that talks to a server uses it.
 
 Stream format (sglang 0.5.23, ``/generate`` with ``"stream": true``): lines ``data: {json}``, each
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +123,33 @@ def reference_logprobs(
     return input_logprobs_from_meta(resp.json()["meta_info"], len(reference), reference)
 
 
+def cold_replay_logprobs(
+    url: str,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[float]:
+    """:func:`reference_logprobs` of ``answer`` after ``prompt`` computed cold, whatever the
+    server holds: the request carries a ``cache_salt`` of its own (uuid4), a namespace in which
+    neither SGLang's prefix cache nor semblend's donors hold anything. The replay half of
+    SGLang's KL measure (:func:`.metrics.kl_divergence`); it needs no flush."""
+    import httpx
+
+    payload = {
+        "input_ids": list(prompt) + list(answer),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 1,
+        "cache_salt": f"kl-replay-{uuid.uuid4().hex}",
+    }
+    resp = httpx.post(url + "/generate", json=payload, timeout=timeout)
+    resp.raise_for_status()
+    meta = resp.json()["meta_info"]
+    if int(meta.get("cached_tokens", 0)):
+        raise RuntimeError(f"a cold replay reused {meta['cached_tokens']} cached tokens")
+    return input_logprobs_from_meta(meta, len(answer), answer)
+
+
 def try_flush(url: str) -> bool:
     """Ask once for ``/flush_cache``: True when SGLang emptied its radix cache, False when it
     refused (it flushes only while no request runs). Transport errors raise ``httpx.HTTPError``."""
@@ -202,8 +231,9 @@ def top2_margins(meta: dict[str, Any]) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class Answer:
     """One streamed greedy ``/generate`` answer: TTFT, the server's prompt and cached-token
-    counts, the output token ids and text, and (when asked for) ``margins``: per output
-    position, the logprob of the most likely token minus that of the second."""
+    counts, the output token ids, their logprobs as the server gave them (``output_logprobs``)
+    and the text, and (when asked for) ``margins``: per output position, the logprob of the most
+    likely token minus that of the second."""
 
     ttft_s: float
     prompt_tokens: int
@@ -211,6 +241,7 @@ class Answer:
     output_ids: tuple[int, ...]
     text: str
     margins: tuple[float, ...] = ()
+    output_logprobs: tuple[float, ...] = ()
 
 
 class ServerClient:
@@ -233,7 +264,8 @@ class ServerClient:
             top_logprobs_num=2 if margins else 0,
             timeout=self.timeout,
         )
-        ids = tuple(int(entry[1]) for entry in got.meta.get("output_token_logprobs") or [])
+        entries = got.meta.get("output_token_logprobs") or []
+        ids = tuple(int(entry[1]) for entry in entries)
         return Answer(
             ttft_s=got.ttft_s,
             prompt_tokens=int(got.meta.get("prompt_tokens", len(input_ids))),
@@ -241,11 +273,16 @@ class ServerClient:
             output_ids=ids,
             text=got.text,
             margins=top2_margins(got.meta) if margins else (),
+            output_logprobs=tuple(float(entry[0]) for entry in entries),
         )
 
     def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:
         """:func:`reference_logprobs` on this server."""
         return reference_logprobs(self.url, prompt, reference, self.timeout)
+
+    def cold_replay_logprobs(self, prompt: Sequence[int], answer: Sequence[int]) -> list[float]:
+        """:func:`cold_replay_logprobs` on this server."""
+        return cold_replay_logprobs(self.url, prompt, answer, self.timeout)
 
     def flush(self) -> None:
         """:func:`flush_cache` on this server."""

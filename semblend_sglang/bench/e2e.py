@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -85,7 +85,10 @@ rows carry ``reorder_ms_*``, ``exact_spans_over_reorder`` (paired, with ``_min``
 carry ``answers_only`` (``--answers-only``: no ``prefix`` or ``exact_same_length`` records, no
 ``reference_logprobs``). 14: semblend systems' records carry ``copy_ms`` (the donor K/V copy's
 part of ``hook_ms``); summary rows ``_hit_hook_ms`` and ``_hit_copy_ms`` (medians over the
-materialized probes)."""
+materialized probes). 15: records carry ``output_logprobs``, ``replay_logprobs`` (repeat 0:
+the answer replayed cold) and, on semblend systems, ``spans``; summary rows carry SGLang's KL
+measure: per semblend system ``_kl``, ``_kl_max``, ``_kl_one_span``, ``_kl_multi_span``, and
+``exact_kl``, ``cold_kl``, ``reorder_kl`` (each with ``_max``)."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:

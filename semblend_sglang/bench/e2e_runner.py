@@ -27,9 +27,11 @@ sent: the semblend systems' donors and probe, vanilla's cold probe and reorder's
 no ``exact_same_length`` and no teacher-forced references (no PPL ratio, no spans/exact).
 
 Quality is deterministic (greedy, float32): the first repeat (``repeat`` 0) decodes
-:data:`GREEDY_TOKENS` tokens and reads the reference logprobs (and cold's margins); later
-repeats time the first token only. A probe with a gold answer (the QA workloads) passes it to
-its records, and the summary scores the first repeat's output text against it. Every timed
+:data:`GREEDY_TOKENS` tokens and reads the reference logprobs (and cold's margins), and every
+answer it decodes is replayed cold in a cache namespace of its own (SGLang's KL measure, also
+with ``answers_only``); later repeats time the first token only. A probe with a gold answer
+(the QA workloads) passes it to its records, and the summary scores the first repeat's output
+text against it. Every timed
 request also records the foreign load on the machine while it ran (:mod:`.machine_load`).
 """
 
@@ -78,6 +80,15 @@ class ProbeRecord:
     """Semblend servers: the part of ``hook_ms`` spent copying donor K/V into the probe's
     slots (the rotation included)."""
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    """The logprob the server gave each token of ``output_ids`` as it generated it."""
+    replay_logprobs: list[float] = field(default_factory=list)
+    """The logprobs of ``output_ids`` teacher-forced through a cold, full prefill of prompt +
+    output (:meth:`.client.ServerClient.cold_replay_logprobs`): the other half of SGLang's KL
+    measure (:func:`.metrics.kl_divergence`). Repeat 0 of every decoding run (semantic, cold,
+    exact_same_length, reordered); empty otherwise."""
+    spans: int | None = None
+    """Semblend servers: the spans the server materialized for the probe (0 on a miss)."""
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
@@ -239,6 +250,7 @@ class Runner:
             prompt_tokens=answer.prompt_tokens,
             cached_tokens=answer.cached_tokens,
             output_ids=list(answer.output_ids),
+            output_logprobs=list(answer.output_logprobs),
             text=answer.text,
             margins=list(answer.margins),
             repeat=repeat,
@@ -305,8 +317,11 @@ class Runner:
                 residual_deviation=residual_delta(before, after),
                 hook_ms=ms_delta(before, after, "hook_seconds"),
                 copy_ms=ms_delta(before, after, "copy_seconds"),
+                spans=counter_delta(before, after, "reused_spans"),
             )
             self.progress(1)
+            if repeat == 0:
+                self._replay(client, rec, probe.prompt_ids)
             if probe.reference_ids and self._reads_reference(repeat):
                 # the reference must see the probe's donors, not the probe held as a donor:
                 # reusing the probe would repair its state a second time (an optimistic PPL)
@@ -357,12 +372,14 @@ class Runner:
         )
         if self._reads_reference(repeat):
             rec.reference_logprobs = self._reference(client, probe)
+        if full:
+            self._replay(client, rec, probe.prompt_ids)
         self.progress(1)
         c = reused or 0
         if group.donors and 0 < c < len(probe.prompt_ids) and not self.answers_only:
             self._flush(client)
             client.generate(probe.prompt_ids[:c], 1)
-            self._record(
+            rec = self._record(
                 workload,
                 group,
                 i,
@@ -371,6 +388,8 @@ class Runner:
                 self._generate(client, probe.prompt_ids, tokens),
                 repeat,
             )
+            if full:
+                self._replay(client, rec, probe.prompt_ids)
             self.progress(1)
 
     def _reordered(self, workload: Workload, group: RequestGroup, i: int, repeat: int) -> None:
@@ -383,7 +402,7 @@ class Runner:
         full = repeat == 0
         self._flush(client)
         self._send_donors(client, group)
-        self._record(
+        rec = self._record(
             workload,
             group,
             i,
@@ -392,7 +411,15 @@ class Runner:
             self._generate(client, probe.reordered_ids, self.greedy_tokens if full else 1),
             repeat,
         )
+        if full:
+            self._replay(client, rec, probe.reordered_ids)
         self.progress(1)
+
+    @staticmethod
+    def _replay(client: ServerClient, rec: ProbeRecord, prompt: Sequence[int]) -> None:
+        """``rec``'s answer replayed cold after ``prompt`` (its ``replay_logprobs``)."""
+        if rec.output_ids:
+            rec.replay_logprobs = client.cold_replay_logprobs(prompt, rec.output_ids)
 
     def _reference(self, client: ServerClient, probe: BenchRequest) -> list[float]:
         if not probe.reference_ids:

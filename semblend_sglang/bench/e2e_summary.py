@@ -24,6 +24,7 @@ from .metrics import (
     divergence_margin,
     first_divergence,
     greedy_agreement,
+    kl_divergence,
     mean_or_none,
     percentile,
     ppl_ratio,
@@ -213,6 +214,7 @@ def _system_columns(
             if margin is not None:
                 margins.append(margin)
         rouges.append((hit, rouge_l(r.text, cold.text)))
+    out.update(_hit_kl_columns(system, [r for r in probes if r.outcome == "materialized"]))
     out[f"{system}_ppl_ratio"] = percentile(ratios, 50) if ratios else None
     out[f"{system}_ppl_ratio_max"] = max(ratios) if ratios else None
     out[f"{system}_divergent_hits"] = divergent
@@ -232,6 +234,38 @@ def _system_columns(
             out[f"{system}_miss_overhead_in_scheduler"] = percentile(hook, 50) / percentile(
                 cold_ttfts, 50
             )
+    return out
+
+
+def record_kl(record: ProbeRecord) -> float | None:
+    """SGLang's KL measure of ``record``'s answer against its cold replay
+    (:func:`.metrics.kl_divergence`); None when the record has no replay (a timing repeat, a
+    report written before replays were recorded)."""
+    out, replay = record.output_logprobs, record.replay_logprobs
+    if not out or len(out) != len(replay):
+        return None
+    return kl_divergence(out, replay)
+
+
+def _kls(records: Sequence[ProbeRecord]) -> list[float]:
+    return [v for r in records if (v := record_kl(r)) is not None]
+
+
+def kl_columns(prefix: str, records: Sequence[ProbeRecord]) -> dict[str, Any]:
+    """``{prefix}_kl`` (mean of :func:`record_kl` over ``records``, as SGLang averages its
+    samples) and ``{prefix}_kl_max``; None without a replayed record."""
+    kls = _kls(records)
+    return {f"{prefix}_kl": mean_or_none(kls), f"{prefix}_kl_max": max(kls) if kls else None}
+
+
+def _hit_kl_columns(system: str, hits: Sequence[ProbeRecord]) -> dict[str, Any]:
+    """KL of a semblend system's materialized probes: all of them, and split by the spans the
+    server materialized (one span: another instruction in front; several: a multi-span plan)."""
+    out = kl_columns(system, hits)
+    one = [r for r in hits if r.spans == 1]
+    multi = [r for r in hits if (r.spans or 0) > 1]
+    out[f"{system}_kl_one_span"] = mean_or_none(_kls(one))
+    out[f"{system}_kl_multi_span"] = mean_or_none(_kls(multi))
     return out
 
 
@@ -302,7 +336,11 @@ def summarize(
     ``qa_by_dataset``: per dataset and source, accuracy, exact match, F1, agreement with cold
     and McNemar's paired test); the reorder system's ``reorder_cached_fraction`` and
     ``reorder_greedy_agreement`` (:func:`_reorder_columns`) and the paired
-    ``exact_spans_over_reorder``. A missing value is None."""
+    ``exact_spans_over_reorder``; SGLang's KL measure (:func:`kl_columns`, mean and ``_max``):
+    per semblend system over its materialized probes (``_kl``, and ``_kl_one_span`` /
+    ``_kl_multi_span`` by the spans materialized), ``exact_kl`` (the exact hit of the same
+    length: the floor), ``cold_kl`` (the cold run's decode against its own prefill) and
+    ``reorder_kl``. A missing value is None."""
     rows: list[dict[str, Any]] = []
     for workload, label, ctx in _row_keys(records, by_label):
         mine = [
@@ -340,6 +378,13 @@ def summarize(
         ]
         # The noise floor: the same prompt, cached vs not, on the same server.
         row["exact_greedy_agreement"] = mean_or_none(exact_agree)
+        for prefix, system, kind in (
+            ("exact", "vanilla", "exact_same_length"),
+            ("cold", "vanilla", "cold"),
+            (REORDER, REORDER, "reordered"),
+        ):
+            runs = [r for r in mine if r.system == system and r.kind == kind and r.repeat == 0]
+            row.update(kl_columns(prefix, runs))
         row.update(_reorder_columns(mine, cold_of))
         row.update(qa_columns(mine))
         spread: dict[str, list[float]] = {}

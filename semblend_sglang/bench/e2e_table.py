@@ -38,12 +38,15 @@ MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("greedy agree (hits)", "exact_spans_greedy_agreement_hits", ".2f"),
     ("cold margin at divergence", MARGIN_KEY, ".3f"),
     ("PPL ratio", "exact_spans_ppl_ratio", ".3f"),
+    ("KL (hits)", "exact_spans_kl", ".1e"),
+    ("KL (exact hit)", "exact_kl", ".1e"),
 )
 """Columns after strategy, ratio, workload and context length: (header, summary key, format).
 TTFT p50 in ms; ``spans / exact`` and ``speed-up``: medians of per-probe paired ratios;
 ``recomputed``: share of reused + recomputed tokens; ``cold margin at
 divergence``: median over the hits that part from cold of the cold run's top-1 / top-2 logprob
-margin where they part (``—``: none parts; ``?``: some part, but the report has no margins)."""
+margin where they part (``—``: none parts; ``?``: some part, but the report has no margins);
+``KL``: SGLang's KL measure, mean over the hits and over the exact hits of the same length."""
 
 QA_MARKDOWN_HEADERS = {
     "=cold": "answer = cold",

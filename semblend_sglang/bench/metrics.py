@@ -4,9 +4,11 @@ Latency: :func:`percentile`, :func:`summarize_ms`, :func:`miss_overhead`. Qualit
 prefill of the same prompt: :func:`ppl_ratio` of a reference continuation teacher-forced through
 the server (:func:`input_logprobs_from_meta` reads SGLang's answer), :func:`greedy_agreement` /
 :func:`first_divergence` of greedy outputs and the cold :func:`divergence_margin` there,
-:func:`rouge_l` / :func:`rouge_l_ids`. Against gold answers (the QA workloads): :func:`score_answer`
-(:func:`yes_no` accuracy; SQuAD :func:`exact_match` and :func:`token_f1` of spans); against the
-cold run's answer: :func:`read_answer`; paired right/wrong counts: :func:`mcnemar_exact`.
+:func:`rouge_l` / :func:`rouge_l_ids`; SGLang's KL measure of an answer's own logprobs against a
+full-prefill replay of it: :func:`kl_divergence`. Against gold answers (the QA workloads):
+:func:`score_answer` (:func:`yes_no` accuracy; SQuAD :func:`exact_match` and :func:`token_f1` of
+spans); against the cold run's answer: :func:`read_answer`; paired right/wrong counts:
+:func:`mcnemar_exact`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,21 @@ def ppl_ratio(test_logprobs: Sequence[float], cold_logprobs: Sequence[float]) ->
     if len(test) != len(cold):
         raise ValueError(f"ppl_ratio: {len(test)} test logprobs vs {len(cold)} cold logprobs")
     return math.exp(math.fsum(cold) / len(cold) - math.fsum(test) / len(test))
+
+
+def kl_divergence(output_logprobs: Sequence[float], replay_logprobs: Sequence[float]) -> float:
+    """SGLang's KL measure of one answer (``sglang.test.kl_test_utils.compare_kl_divergence``,
+    one sample): the mean over its tokens of ``exp(r) - 1 - r`` with ``r = replay - output``,
+    where ``output_logprobs`` are the logprobs the server gave the tokens it generated and
+    ``replay_logprobs`` those of the same tokens teacher-forced through a cold, full prefill of
+    prompt + answer. 0 = the answer's own distribution is the cold one at every token it took.
+    ValueError if the two differ in length, are empty, or hold NaN."""
+    output = _finite_or_inf(output_logprobs, "kl_divergence output")
+    replay = _finite_or_inf(replay_logprobs, "kl_divergence replay")
+    if len(output) != len(replay):
+        raise ValueError(f"kl_divergence: {len(output)} output vs {len(replay)} replay logprobs")
+    terms = [math.expm1(r - o) - (r - o) for o, r in zip(output, replay, strict=True)]
+    return math.fsum(terms) / len(terms)
 
 
 def greedy_agreement(a_ids: Sequence[Hashable], b_ids: Sequence[Hashable], n: int = 32) -> float:

@@ -87,6 +87,8 @@ TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
     ("agree", 6, "exact_spans_greedy_agreement", ".2f", 1),
     ("rougeL", 6, "exact_spans_rouge_l", ".2f", 1),
     ("ex agree", 8, "exact_greedy_agreement", ".2f", 1),
+    ("kl", 7, "exact_spans_kl", ".0e", 1),
+    ("ex kl", 7, "exact_kl", ".0e", 1),
     ("sub hit%", 8, "substitute_hit_rate", ".0f", 100),
     ("sub agree", 9, "substitute_greedy_agreement", ".2f", 1),
     ("miss ovh", 10, "exact_spans_miss_overhead", "+.1f", 100),
@@ -108,10 +110,11 @@ summary key: :func:`console_table` fills it with :func:`recompute_label`. A TTFT
 (:func:`spread_label`)."""
 
 NARROW_COLUMNS = frozenset(
-    {"cold", "exact", "spans", "speedup", "hit%", "reuse%", "agree", "noise"}
+    {"cold", "exact", "spans", "speedup", "hit%", "reuse%", "agree", "kl", "ex kl", "noise"}
 )
 """The :data:`TABLE_COLUMNS` the console table shows without ``wide``: TTFT cold, exact hit and
-exact_spans, the speed-up, hit and reused shares, greedy agreement with cold, the noise flag."""
+exact_spans, the speed-up, hit and reused shares, greedy agreement with cold, SGLang's KL
+measure of the hits and of the exact hit, the noise flag."""
 
 CONSOLE_WIDTH = 120
 """Columns the legend and the noise lines of the console table are wrapped to."""
@@ -122,9 +125,11 @@ TABLE_LEGEND = (
     "reused; sp/ex: spans/exact and speedup: cold/spans, medians of per-probe paired ratios "
     "(±half range, %); hit%, reuse%: server-confirmed (exact_spans); ppl: PPL ratio vs cold; "
     "agree: first-32-token greedy agreement; ex agree: the same for the exact hit (noise "
-    "floor); miss ovh: control-set TTFT vs vanilla cold, median of paired ratios, % (±half "
-    "range, points); hook ovh: semblend's own time in the scheduler during a control probe, % "
-    "of vanilla cold TTFT (the miss overhead's headline); sgl-dp, sgl-dp hit%: TTFT and"
+    "floor); kl, ex kl: SGLang's KL measure (its kl_test_utils) of the answer's logprobs "
+    "against a cold replay of prompt + answer, mean over exact_spans' hits and over the exact "
+    "hits (the floor); miss ovh: control-set TTFT vs vanilla cold, median of paired ratios, % "
+    "(±half range, points); hook ovh: semblend's own time in the scheduler during a control "
+    "probe, % of vanilla cold TTFT (the miss overhead's headline); sgl-dp, sgl-dp hit%: TTFT and"
     f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch);"
     " reorder: vanilla SGLang sent the probe with its passages in a donor's order (the lossless"
     " anchor), sp/ro: spans/reorder, median of paired ratios, ro hit%: its exact prefix hit, %"
