@@ -356,7 +356,13 @@ def test_runner_records_carry_the_probe_gold_and_the_summary_scores_them(built: 
     assert row["qa_probes"] == 1 and row["qa_span_probes"] == 0
     (cells,) = row["qa_by_dataset"].values()
     assert list(row["qa_by_dataset"]) == [BOOLQ]
-    assert cells["cold"] == {"n": 1, "accuracy": 1.0, "em": None, "f1": None}  # repeat 1 unscored
+    assert cells["cold"] == {
+        "n": 1,
+        "accuracy": 1.0,
+        "em": None,
+        "f1": None,
+        "kl": None,
+    }  # repeat 1 unscored
     spans = cells["exact_spans"]
     assert spans["n"] == spans["paired"] == 1
     assert spans["accuracy"] == 0.0 and spans["cold_accuracy"] == 1.0
@@ -481,7 +487,7 @@ def test_summary_scores_each_dataset_on_its_own_paired_with_cold() -> None:
     by = row["qa_by_dataset"]
     assert list(by) == [BOOLQ, DISFLQA]
     assert list(by[BOOLQ]) == ["cold", "exact_same_length", "exact_spans"]
-    assert by[BOOLQ]["cold"] == {"n": 4, "accuracy": 0.75, "em": None, "f1": None}
+    assert by[BOOLQ]["cold"] == {"n": 4, "accuracy": 0.75, "em": None, "f1": None, "kl": None}
     boolq = by[BOOLQ]["exact_spans"]
     assert boolq["n"] == boolq["paired"] == 4  # repeat 1 is not scored
     assert boolq["accuracy"] == 0.5 and boolq["cold_accuracy"] == 0.75
@@ -517,9 +523,8 @@ def test_console_and_markdown_tables_have_a_line_per_dataset_and_system() -> Non
     row["exact_spans_hit_rate"] = 1.0  # bench table keeps the rows where exact_spans ran
     console = console_table([row]).splitlines()
     head = next(line for line in console if line.startswith("workload") and "dataset" in line)
-    assert head.split() == (
-        "workload ctx dataset system n cold acc cold EM cold F1 acc EM F1 =cold agree b/c p".split()
-    )
+    want = "workload ctx dataset system n cold acc cold EM cold F1 acc EM F1 =cold agree kl b/c p"
+    assert head.split() == want.split()
     words = [line.split() for line in console]
     lines = {tuple(w[2:4]): w[4:] for w in words if len(w) > 3 and w[2] in (BOOLQ, DISFLQA)}
     assert set(lines) == {
@@ -528,8 +533,8 @@ def test_console_and_markdown_tables_have_a_line_per_dataset_and_system() -> Non
         (DISFLQA, "exact"),
         (DISFLQA, "spans"),
     }
-    assert lines[BOOLQ, "spans"] == "4 0.75 - - 0.50 - - 0.75 0.99 1/0 1".split()
-    assert lines[DISFLQA, "spans"] == "3 - 0.67 0.67 - 0.67 0.95 0.33 1.00 1/1 1".split()
+    assert lines[BOOLQ, "spans"] == "4 0.75 - - 0.50 - - 0.75 0.99 - 1/0 1".split()  # no replays
+    assert lines[DISFLQA, "spans"] == "3 - 0.67 0.67 - 0.67 0.95 0.33 1.00 - 1/1 1".split()
     assert lines[DISFLQA, "exact"][:3] == ["1", "-", "1.00"]
     assert any(line.startswith("QA, each dataset on its own") for line in console)
 

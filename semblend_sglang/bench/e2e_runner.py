@@ -43,6 +43,7 @@ from typing import Any
 
 from .client import Answer, ServerClient
 from .machine_load import LoadMeter, LoadWindow
+from .metrics import kl_divergence
 from .systems import REORDER, SEMBLEND_SYSTEMS
 from .workloads import BenchRequest, GoldAnswer, RequestGroup, Workload
 
@@ -112,6 +113,16 @@ class ProbeRecord:
     def __post_init__(self) -> None:
         if isinstance(self.gold, Mapping):
             self.gold = GoldAnswer.from_json(self.gold)
+
+    @property
+    def kl(self) -> float | None:
+        """SGLang's KL measure of this answer against its cold replay
+        (:func:`.metrics.kl_divergence`); None without a replay (a timing repeat, a report
+        written before replays were recorded)."""
+        out, replay = self.output_logprobs, self.replay_logprobs
+        if not out or len(out) != len(replay):
+            return None
+        return kl_divergence(out, replay)
 
 
 def ms_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, key: str) -> float | None:

@@ -24,7 +24,6 @@ from .metrics import (
     divergence_margin,
     first_divergence,
     greedy_agreement,
-    kl_divergence,
     mean_or_none,
     percentile,
     ppl_ratio,
@@ -237,22 +236,12 @@ def _system_columns(
     return out
 
 
-def record_kl(record: ProbeRecord) -> float | None:
-    """SGLang's KL measure of ``record``'s answer against its cold replay
-    (:func:`.metrics.kl_divergence`); None when the record has no replay (a timing repeat, a
-    report written before replays were recorded)."""
-    out, replay = record.output_logprobs, record.replay_logprobs
-    if not out or len(out) != len(replay):
-        return None
-    return kl_divergence(out, replay)
-
-
 def _kls(records: Sequence[ProbeRecord]) -> list[float]:
-    return [v for r in records if (v := record_kl(r)) is not None]
+    return [v for r in records if (v := r.kl) is not None]
 
 
 def kl_columns(prefix: str, records: Sequence[ProbeRecord]) -> dict[str, Any]:
-    """``{prefix}_kl`` (mean of :func:`record_kl` over ``records``, as SGLang averages its
+    """``{prefix}_kl`` (mean of :attr:`.ProbeRecord.kl` over ``records``, as SGLang averages its
     samples) and ``{prefix}_kl_max``; None without a replayed record."""
     kls = _kls(records)
     return {f"{prefix}_kl": mean_or_none(kls), f"{prefix}_kl_max": max(kls) if kls else None}

@@ -95,19 +95,19 @@ def qa_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
     """A row's first-repeat answers (``text``) scored against the gold answers its probes carry
     (the QA workloads; :func:`.metrics.score_answer`), each dataset on its own.
 
-    ``qa_probes``: probes with a gold answer; ``qa_span_probes``: of them, those with span
-    answers. ``qa_by_dataset``: dataset (the gold answer's; :data:`UNNAMED_DATASET` when it
-    names none) -> source (:data:`QA_SOURCES`, those with a scored probe) -> cell. Every cell:
-    ``n`` (probes scored), ``accuracy`` (share of yes/no answers right), ``em`` and ``f1``
-    (mean SQuAD exact match and token F1 of span answers); a mean is None where the dataset
-    has no answer of its kind. A source other than ``cold`` adds, over its ``paired`` probes
-    (those with vanilla's cold run of the same probe): ``cold_accuracy``, ``cold_em``,
-    ``cold_f1`` (cold's scores on them), ``agreement`` (share whose :func:`.metrics.read_answer`
-    equals cold's), ``greedy_agreement`` (mean agreement of the first 32 greedy tokens with
-    cold's), ``b`` (right cold, wrong here; right: yes/no correct or exact match), ``c`` (the
-    reverse) and ``mcnemar_p`` (:func:`.metrics.mcnemar_exact`); the means are None and the
-    counts 0 when none is paired. Empty ``qa_by_dataset`` in rows without gold answers.
-    :func:`summarize` calls it per row."""
+    ``qa_probes``: probes with a gold answer; ``qa_span_probes``: of them, those with span answers.
+    ``qa_by_dataset``: dataset (the gold answer's; :data:`UNNAMED_DATASET` when it names none) ->
+    source (:data:`QA_SOURCES`, those with a scored probe) -> cell. Every cell: ``n`` (probes
+    scored), ``accuracy`` (share of yes/no answers right), ``em`` and ``f1`` (mean SQuAD exact match
+    and token F1 of span answers), ``kl`` (mean of SGLang's KL measure of the answers against their
+    cold replays, :attr:`.ProbeRecord.kl`); a mean is None where the dataset has no answer of its
+    kind (no replay: ``kl``). A source other than ``cold`` adds, over its ``paired`` probes (those
+    with vanilla's cold run of the same probe): ``cold_accuracy``, ``cold_em``, ``cold_f1`` (cold's
+    scores on them), ``agreement`` (share whose :func:`.metrics.read_answer` equals cold's),
+    ``greedy_agreement`` (mean agreement of the first 32 greedy tokens with cold's), ``b`` (right
+    cold, wrong here; right: yes/no correct or exact match), ``c`` (the reverse) and ``mcnemar_p``
+    (:func:`.metrics.mcnemar_exact`); the means are None and the counts 0 when none is paired. Empty
+    ``qa_by_dataset`` in rows without gold answers. :func:`summarize` calls it per row."""
     asked = {(r.group_id, r.probe): r.gold for r in mine if r.gold is not None}
     scored = [r for r in mine if r.gold is not None and r.repeat == 0]
     cold_of = {
@@ -121,6 +121,7 @@ def qa_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
                 by_dataset.setdefault(_gold(r).dataset or UNNAMED_DATASET, []).append(r)
         for dataset, runs in by_dataset.items():
             cell: dict[str, Any] = {"n": len(runs), **_qa_means([(r, _qa_score(r)) for r in runs])}
+            cell["kl"] = mean_or_none([v for r in runs if (v := r.kl) is not None])
             if source != "cold":
                 pairs = [
                     (r, cold_of[(r.group_id, r.probe)])

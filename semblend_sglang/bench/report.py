@@ -161,6 +161,7 @@ QA_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("F1", "f1", ".2f"),
     ("=cold", "agreement", ".2f"),
     ("agree", "greedy_agreement", ".2f"),
+    ("kl", "kl", ".0e"),
     ("b/c", "b_c", "s"),
     ("p", "mcnemar_p", ".3g"),
 )
@@ -172,8 +173,10 @@ QA_TABLE_LEGEND = (
     " have vanilla's cold run (the cold and paired columns are over those k); acc: yes/no"
     " answers right; EM, F1: SQuAD exact match and token F1 of span answers; cold acc/EM/F1: the"
     " same for the cold run; =cold: answers (normalized) equal to cold's; agree: first-32-token"
-    " greedy agreement with cold; b/c: probes right cold and wrong here / wrong cold and right"
-    " here (right: yes/no correct or exact match); p: exact two-sided McNemar p-value of b and c."
+    " greedy agreement with cold; kl: SGLang's KL measure against the cold replay (the cold"
+    " line's: its own decode against its prefill); b/c: probes right cold and wrong here /"
+    " wrong cold and right here (right: yes/no correct or exact match); p: exact two-sided"
+    " McNemar p-value of b and c."
 )
 
 
@@ -188,6 +191,7 @@ def qa_cell_values(source: str, cell: Mapping[str, Any]) -> dict[str, Any]:
             "cold_accuracy": cell.get("accuracy"),
             "cold_em": cell.get("em"),
             "cold_f1": cell.get("f1"),
+            "kl": cell.get("kl"),
         }
     n, paired = cell["n"], cell.get("paired", 0)
     return {
