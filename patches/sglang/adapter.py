@@ -6,6 +6,46 @@ methods (:meth:`SglangAdapter.hook_table`) that call its :class:`~.request_flow.
 the :class:`~.version_view.VersionView` the flow reads the version through. Everything
 version-specific lives in the adapter's module; nothing outside ``semblend_sglang.patches.sglang``
 touches sglang internals.
+
+What the unified adapter (sglang 0.5.22+, :mod:`.unified`) wraps, what each wrapper calls and
+when sglang calls it (every call on the scheduler's thread):
+
+- UnifiedRadixCache.match_prefix -> RequestFlow.plan: a waiting request's prefix match.
+- UnifiedRadixCache.checkpoint -> RequestFlow.publish_limit, published; DonorKV.watch_head: a
+  request's KV published into the tree.
+- UnifiedRadixCache.free_kv_row -> DonorKV.split_release, keep: a released request's slots freed.
+- UnifiedRadixCache.on_release -> RequestFlow.release: a request leaves the tree.
+- UnifiedRadixCache.finish -> RequestFlow.abort: a request ended unsuccessfully (aborted).
+- UnifiedRadixCache.evictable_size, full_evictable_size -> DonorKV.held_tokens: the admission and
+  eviction budgets.
+- UnifiedRadixCache.evict, evict_for_alloc -> DonorKV.evict, forget_evicted: memory is needed.
+- UnifiedRadixCache._free_values -> DonorKV.freed: the tree frees node values.
+- UnifiedRadixCache.reset -> DonorKV.clear, forget_all: /flush_cache.
+- PrefillAdder.add_one_req, add_chunked_req -> admission.admission_credit, admission_charge: a
+  request admitted into a prefill batch.
+- ScheduleBatch.prepare_for_extend -> RequestFlow.prepare_extend: a prefill batch laid out (the
+  donor copy).
+- ForwardBatch.init_new -> RequestFlow.forward_batch: its forward batch built (true positions, the
+  check layer armed).
+- PrefillCudaGraphRunner.can_run_graph, dp_attn._local_prefill_cuda_graph_vote ->
+  split_view.graph_can_carry, one_pass.batch_reuse: a prefill step's CUDA-graph decision (and its DP
+  vote).
+- Scheduler.__init__ -> the start-up refusals, the runtime: scheduler start.
+- Scheduler._add_request_to_queue -> substitute.substitute_request: a request's arrival (substitute
+  mode only).
+- SchedulerInternalStateController.get_internal_state -> the snapshot: /server_info,
+  /semblend/snapshot.
+- each backend's init_forward_metadata, forward_extend (.attention) -> the split view (.split_view):
+  every forward; they act on batches holding a sparse request only.
+
+**The raise rule.** A wrapper calls the original method, and the flow through
+:meth:`~.request_flow.RequestFlow.guarded` (an error is counted, logged once, and the request
+continues on the normal path), with two exceptions, both for a batch whose donor KV is copied
+and whose lengths are shrunk already, so that no normal path is left for it: ``init_new``'s
+:func:`.one_pass.forward_positions` raises ``ValueError`` when the batch's lengths and the
+positions sglang computed disagree, and an attention path that cannot split such a batch raises
+:class:`.split_view.SparseExtendUnsupported`; both stop the step rather than compute attention
+at wrong positions (:func:`.attention.sparse_extend_supported` decides before any copy).
 """
 
 from __future__ import annotations

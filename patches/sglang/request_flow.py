@@ -6,8 +6,9 @@ in docs/architecture.md ("One request through SGLang 0.5.22+").
 :class:`RequestFlow` owns every request's state (one object per request, in
 :attr:`RequestFlow.requests`); the version adapters only wrap sglang's methods and call it,
 with their :class:`~.version_view.VersionView` for what is named differently per version.
-Nothing here imports sglang, and nothing raises into the engine: :meth:`RequestFlow.guarded`
-turns an error into a counted, once-logged fallback.
+Nothing here imports sglang. An error becomes a counted, once-logged fallback
+(:meth:`RequestFlow.guarded`); the one exception here is :meth:`RequestFlow.forward_batch`'s
+(the raise rule of :mod:`.adapter`).
 """
 
 from __future__ import annotations
@@ -306,7 +307,9 @@ class RequestFlow:
     def forward_batch(self, batch: Any, model_runner: Any, forward_batch: Any) -> None:
         """After ``ForwardBatch.init_new`` built ``forward_batch`` for ``batch``: the first
         forward learns the attention backend; a check layer is armed; a batch with sparse
-        requests gets their true positions (a decode forward forgets them)."""
+        requests gets their true positions (a decode forward forgets them). Raises the
+        ``ValueError`` of :func:`.one_pass.forward_positions` when that batch's lengths and
+        positions disagree: its KV is copied, no normal path is left (:mod:`.adapter`)."""
         if self.backend_ok is None:
             self.guarded("backend", None, None, self._check_backend, model_runner)
         hook = self.runtime.check_hook

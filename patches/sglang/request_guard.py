@@ -9,8 +9,9 @@ guard checks a request at two seams, with one rule (:func:`request_error`):
 
 - the tokenizer manager's ``_validate_one_request`` (HTTP server process, right after
   tokenization): a bad prompt raises ``ValueError``, which SGLang answers with 400 and the
-  message, before anything reaches the scheduler; a malformed ``semblend_reuse`` value is
-  refused here too (:func:`.request_info.reuse_value_error`);
+  message, before anything reaches the scheduler; a malformed ``semblend_reuse`` value or
+  ``semblend_passages`` declaration is refused here too
+  (:func:`.request_info.reuse_value_error`, :func:`semblend_sglang.passages.passages_error`);
 - the scheduler's ``validate_input_length`` (every request the scheduler receives, also those
   that bypass the tokenizer manager, such as SMG's gRPC mode): a bad prompt becomes SGLang's
   own abort with the message (400), as a prompt over the length limit does.
@@ -28,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from semblend_sglang.config_fields import parse_flag
+from semblend_sglang.passages import passages_error
 
 from .after_import import call_after_import
 from .request_info import reuse_value_error
@@ -109,7 +111,8 @@ def request_error(
 def _request_error(obj: Any, input_ids: Sequence[int] | None, vocab_size: int | None) -> str | None:
     """:func:`request_error` for one tokenized request object of the tokenizer manager,
     skipping the prompt check where SGLang fills the prompt in later (multimodal placeholders,
-    input embeddings, a session's history), then the ``semblend_reuse`` value."""
+    input embeddings, a session's history), then the ``semblend_reuse`` value and the declared
+    passages (against the tokenized prompt's length)."""
     multimodal = getattr(obj, "contains_mm_input", None)
     checked_ids: Sequence[int] | None = input_ids
     session = getattr(obj, "session_params", None)
@@ -128,7 +131,9 @@ def _request_error(obj: Any, input_ids: Sequence[int] | None, vocab_size: int | 
         return error
     sampling = getattr(obj, "sampling_params", None)
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
-    return reuse_value_error(custom)
+    return reuse_value_error(custom) or passages_error(
+        custom, len(input_ids) if input_ids is not None else 0
+    )
 
 
 def _guard_tokenizer_manager(module: ModuleType) -> None:

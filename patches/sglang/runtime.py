@@ -45,6 +45,10 @@ class RecomputeCounts:
 
 
 SETTINGS_COUNTERS = ("planned", "materialized", "reused_tokens", "recomputed_tokens")
+PASSAGE_OUTCOMES = ("reordered", "kept", "declined")
+"""What the arrival hook did with a request that declared passages (:mod:`.passage_order`):
+put them in another order, kept the request's own (nothing held, or held in that order), or
+left them alone (a malformed declaration, input logprobs over them)."""
 """What the snapshot's ``by_settings`` counts per settings label
 (:attr:`~semblend_sglang.request_settings.RequestSettings.label`): plans started, plans that
 reused KV, the tokens they kept and the reused positions they recomputed."""
@@ -73,6 +77,10 @@ class SemblendRuntime:
         self.recompute = RecomputeCounts()
         self.by_settings: dict[str, dict[str, int]] = {}
         """:data:`SETTINGS_COUNTERS` per settings label (:meth:`count_settings`)."""
+        self.passage_orders: dict[str, int] = dict.fromkeys(PASSAGE_OUTCOMES, 0)
+        """Requests that declared passages, by :data:`PASSAGE_OUTCOMES`, and
+        ``held_tokens``: the passage tokens the chosen orders put behind an exact prefix."""
+        self.passage_orders["held_tokens"] = 0
         self.layer_check: bool | None = None
         """Whether the served model's layers take the check-layer recompute (set at scheduler
         start by :mod:`.check_layer`); None while no model is known (an engine-less cache)."""
@@ -112,8 +120,9 @@ class SemblendRuntime:
 
     def snapshot(self) -> dict[str, Any]:
         """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named),
-        ``reuse_off`` (every start-up reason reuse cannot happen here), the donor KV's counters
-        and ``sparse_extend_batches`` (batches holding a sparse request, by attention path)."""
+        ``reuse_off`` (every start-up reason reuse cannot happen here), the donor KV's counters,
+        ``sparse_extend_batches`` (batches holding a sparse request, by attention path) and
+        ``passage_orders`` (:attr:`passage_orders`)."""
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
         snap["reuse_off"] = list(self.reuse_off)
@@ -123,6 +132,7 @@ class SemblendRuntime:
         snap["recompute_rechecks"] = self.recompute.rechecks
         snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
         snap["by_settings"] = {label: dict(c) for label, c in sorted(self.by_settings.items())}
+        snap["passage_orders"] = dict(self.passage_orders)
         snap["sparse_extend_batches"] = sparse_batch_counts()
         return snap
 
@@ -136,6 +146,12 @@ class SemblendRuntime:
         served with settings ``label``."""
         counts = self.by_settings.setdefault(label, dict.fromkeys(SETTINGS_COUNTERS, 0))
         counts[counter] += amount
+
+    def count_passage_order(self, outcome: str, held_tokens: int = 0) -> None:
+        """One request's passages got ``outcome`` (one of :data:`PASSAGE_OUTCOMES`), its chosen
+        order putting ``held_tokens`` passage tokens behind an exact prefix."""
+        self.passage_orders[outcome] += 1
+        self.passage_orders["held_tokens"] += held_tokens
 
     def observe_copy(self, seconds: float) -> None:
         """One prefill batch's donor K/V copy took ``seconds`` (device work included)."""

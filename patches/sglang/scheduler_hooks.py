@@ -16,21 +16,26 @@ from .request_flow import RequestFlow
 from .server_options import engine_hf_config, unsupported_options
 from .wrapping import Wrappers
 
+ArrivalHook = Callable[[Any, Any], None]
+"""``hook(scheduler, req)``, run on an arriving request before it is queued."""
+
 
 def scheduler_wrappers(
     flow: RequestFlow,
     scheduler: type,
     internal_state_owner: type,
-    substitute: Callable[[Any, Any], None],
+    substitute: ArrivalHook,
+    reorder: ArrivalHook | None = None,
 ) -> Wrappers:
     """The wrappers of ``scheduler``'s ``__init__`` and ``_add_request_to_queue`` and of
-    ``internal_state_owner.get_internal_state`` (the scheduler itself in older versions)."""
+    ``internal_state_owner.get_internal_state`` (the scheduler itself in older versions);
+    ``reorder``: the adapter's passage-order hook (None: the version does not reorder)."""
     return {
         (internal_state_owner, "get_internal_state"): wrap_get_internal_state(
             internal_state_owner.get_internal_state, flow
         ),
         (scheduler, "_add_request_to_queue"): wrap_add_request_to_queue(
-            scheduler._add_request_to_queue, flow, substitute
+            scheduler._add_request_to_queue, flow, substitute, reorder
         ),
         (scheduler, "__init__"): wrap_scheduler_init(scheduler.__init__, flow),
     }
@@ -56,17 +61,22 @@ def wrap_get_internal_state(original: Callable[..., Any], flow: RequestFlow) -> 
 def wrap_add_request_to_queue(
     original: Callable[..., Any],
     flow: RequestFlow,
-    substitute: Callable[[Any, Any], None],
+    substitute: ArrivalHook,
+    reorder: ArrivalHook | None = None,
 ) -> Any:
-    """``_add_request_to_queue`` that, in substitute mode, calls ``substitute(scheduler, req)``
-    for each arriving (not retracted) request before queueing it."""
+    """``_add_request_to_queue`` that, for each arriving (not retracted) request and before
+    queueing it, calls ``reorder(scheduler, req)`` (a request that declared passages:
+    :mod:`.passage_order`), then, in substitute mode, ``substitute(scheduler, req)``."""
     runtime = flow.runtime
 
     def _add_request_to_queue(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         retracted = kwargs.get("is_retracted", args[0] if args else False)
-        if runtime.config.mode == "substitute" and not retracted and runtime.active:
+        if not retracted and runtime.active:
             rid = getattr(req, "rid", None)
-            flow.guarded("substitute", rid, None, substitute, self, req)
+            if reorder is not None:
+                flow.guarded("passages", rid, None, reorder, self, req)
+            if runtime.config.mode == "substitute":
+                flow.guarded("substitute", rid, None, substitute, self, req)
         return original(self, req, *args, **kwargs)
 
     return _add_request_to_queue

@@ -28,6 +28,7 @@ from semblend_sglang.namespace import Namespace
 from . import one_pass, rank_agreement
 from .adapter import HookTable, SglangAdapter
 from .admission import admission_charge, admission_credit
+from .passage_order import reorder_request, request_level_key_wrappers
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
@@ -71,6 +72,9 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         from sglang.srt.managers.scheduler_components import dp_attn
         from sglang.srt.managers.scheduler_components.internal_state import (
             SchedulerInternalStateController,
+        )
+        from sglang.srt.managers.scheduler_components.output_streamer import (
+            SchedulerOutputStreamer,
         )
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -207,7 +211,9 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
                 Scheduler,
                 SchedulerInternalStateController,
                 self._substitute,
+                self._reorder,
             ),
+            **request_level_key_wrappers(SchedulerOutputStreamer),
         }
         return HookTable(wrappers, triton_attention=True)
 
@@ -239,6 +245,19 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
     def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
         return orig_match(cache, params)
+
+    # ----------------------------------------------------------------- passage order
+    def _reorder(self, scheduler: Any, req: Any) -> None:
+        """A request's declared passages put in order at arrival
+        (:func:`.passage_order.reorder_request`) on a ``UnifiedRadixCache``."""
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        cache = getattr(scheduler, "tree_cache", None)
+        if not isinstance(cache, UnifiedRadixCache) or cache.disable:
+            return
+        reorder_request(
+            self.flow, req, lambda t, ns: _cached_len(cache, t, ns), int(cache.page_size)
+        )
 
     # ----------------------------------------------------------------- substitute mode
     def _substitute(self, scheduler: Any, req: Any) -> None:
