@@ -23,7 +23,7 @@ def main(min_deviation: str, context_tokens: int) -> None:
 
     from semblend_sglang.bench.builtin_workloads import build_workload
     from semblend_sglang.bench.client import ServerClient
-    from semblend_sglang.bench.e2e_runner import counter_delta, outcome_delta
+    from semblend_sglang.bench.snapshot_deltas import counter_delta, outcome_delta
     from semblend_sglang.bench.systems import start_servers
     from semblend_sglang.data import essay_texts
     from semblend_sglang.model_prep import prepare_model

@@ -55,8 +55,9 @@ def main(
     from semblend_sglang.bench.builtin_workloads import build_workload, fitting_length
     from semblend_sglang.bench.client import ServerClient
     from semblend_sglang.bench.e2e import model_context_length
-    from semblend_sglang.bench.e2e_runner import GREEDY_TOKENS, outcome_delta
+    from semblend_sglang.bench.e2e_runner import GREEDY_TOKENS
     from semblend_sglang.bench.report import environment
+    from semblend_sglang.bench.snapshot_deltas import outcome_delta
     from semblend_sglang.bench.systems import parse_semblend_env, start_servers
     from semblend_sglang.data import essay_texts
     from semblend_sglang.model_prep import prepare_model

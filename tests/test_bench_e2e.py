@@ -13,15 +13,11 @@ import click
 import pytest
 
 from semblend_sglang.bench.e2e import SCHEMA_VERSION
-from semblend_sglang.bench.e2e_runner import (
-    ProbeRecord,
-    ms_delta,
-    outcome_delta,
-    requests_per_group,
-)
+from semblend_sglang.bench.e2e_runner import ProbeRecord, requests_per_group
 from semblend_sglang.bench.e2e_summary import summarize
 from semblend_sglang.bench.e2e_table import markdown_table
 from semblend_sglang.bench.report import console_table
+from semblend_sglang.bench.snapshot_deltas import ms_delta, outcome_delta
 from semblend_sglang.bench.systems import (
     DEFAULT_SYSTEMS,
     SERVER_ENV,

@@ -17,17 +17,12 @@ from click.testing import CliRunner
 from sglang_like_server import RESOLVED_CONFIG, ServerState, serve
 
 from semblend_sglang.bench.client import ServerClient, semblend_config, semblend_state
-from semblend_sglang.bench.e2e_runner import (
-    ProbeRecord,
-    Runner,
-    counter_delta,
-    declined_reasons,
-    residual_delta,
-)
+from semblend_sglang.bench.e2e_runner import ProbeRecord, Runner
 from semblend_sglang.bench.e2e_summary import RECOMPUTE_SETTINGS, summarize
 from semblend_sglang.bench.e2e_table import command as table_command
 from semblend_sglang.bench.e2e_table import markdown_table
 from semblend_sglang.bench.report import console_table, recompute_label, settings_lines
+from semblend_sglang.bench.snapshot_deltas import counter_delta, declined_reasons, residual_delta
 from semblend_sglang.bench.systems import (
     SERVER_ENV,
     parse_semblend_env,

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..presets import REPAIR_SETTINGS
-from .e2e_runner import GREEDY_TOKENS, ProbeRecord, declined_reasons
+from .e2e_runner import GREEDY_TOKENS, ProbeRecord
 from .machine_load import FOREIGN_LOAD_LIMIT
 from .metrics import (
     divergence_margin,
@@ -30,6 +30,7 @@ from .metrics import (
     rouge_l,
 )
 from .qa_summary import qa_columns
+from .snapshot_deltas import declined_reasons
 from .systems import REORDER, SEMBLEND_SYSTEMS, SGLANG_DISPATCH
 
 TTFT_KINDS: tuple[tuple[str, str], ...] = (
