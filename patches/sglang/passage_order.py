@@ -25,7 +25,7 @@ from semblend_sglang.passages import (
 )
 
 from .request_flow import RequestFlow
-from .request_info import namespace_for
+from .request_info import custom_params_of, namespace_for
 from .wrapping import Wrappers
 
 CachedLen = Callable[[Any, Namespace], int]
@@ -34,8 +34,8 @@ CachedLen = Callable[[Any, Namespace], int]
 
 def declared_passages(req: Any) -> Any:
     """The :data:`~semblend_sglang.passages.PASSAGES_PARAM` value ``req`` sent, or None."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return params.get(PASSAGES_PARAM) if isinstance(params, dict) else None
+    params = custom_params_of(req)
+    return None if params is None else params.get(PASSAGES_PARAM)
 
 
 def reorder_request(flow: RequestFlow, req: Any, cached_len: CachedLen, page_size: int) -> None:

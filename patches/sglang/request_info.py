@@ -80,6 +80,12 @@ def eligible(req: Any) -> bool:
     )
 
 
+def custom_params_of(req: Any) -> dict[str, Any] | None:
+    """``req``'s ``sampling_params.custom_params`` when it is a dict, else None."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return params if isinstance(params, dict) else None
+
+
 def reuse_value_error(custom_params: Any) -> str | None:
     """Why ``custom_params`` carries a malformed :data:`REUSE_PARAM` (the key absent or a value
     :func:`~semblend_sglang.request_settings.resolve` takes: None). The request guard answers
@@ -89,8 +95,8 @@ def reuse_value_error(custom_params: Any) -> str | None:
 
 def wants_dense_reference(req: Any) -> bool:
     """``req`` asked to run as the dense reference (:data:`DENSE_REFERENCE_PARAM`)."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(params, dict) and bool(params.get(DENSE_REFERENCE_PARAM))
+    params = custom_params_of(req)
+    return params is not None and bool(params.get(DENSE_REFERENCE_PARAM))
 
 
 def sparse_extend_refusal(req: Any) -> str | None:
@@ -121,8 +127,8 @@ def reuse_settings(req: Any, server: Config) -> RequestSettings | None:
     it runs) also opts out (a client that sets the key meant something) and is logged once per
     value. An opted-out request is never planned; it still donates (its KV is a cold
     prefill's). Never raises."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    if not isinstance(params, dict) or REUSE_PARAM not in params:
+    params = custom_params_of(req)
+    if params is None or REUSE_PARAM not in params:
         return RequestSettings(server)
     try:
         return resolve(params[REUSE_PARAM], server)

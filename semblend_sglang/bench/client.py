@@ -102,6 +102,31 @@ def stream_generate(
     return Streamed(ttft_s=ttft, meta=meta, text=text)
 
 
+def _teacher_forced_meta(
+    url: str,
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    timeout: float,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    """``meta_info`` of one non-streamed ``/generate`` of ``prompt + continuation`` asking for
+    the input logprobs from the prompt's last token on (``cache_salt``: sent when given)."""
+    import httpx
+
+    payload: dict[str, Any] = {
+        "input_ids": list(prompt) + list(continuation),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 1,
+    }
+    if cache_salt is not None:
+        payload["cache_salt"] = cache_salt
+    resp = httpx.post(url + "/generate", json=payload, timeout=timeout)
+    resp.raise_for_status()
+    meta: dict[str, Any] = resp.json()["meta_info"]
+    return meta
+
+
 def reference_logprobs(
     url: str,
     prompt: Sequence[int],
@@ -110,17 +135,8 @@ def reference_logprobs(
 ) -> list[float]:
     """Natural-log probabilities of ``reference`` teacher-forced after ``prompt`` (SGLang's input
     logprobs; format: :func:`.metrics.input_logprobs_from_meta`). ``prompt`` must not be empty."""
-    import httpx
-
-    payload = {
-        "input_ids": list(prompt) + list(reference),
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-        "return_logprob": True,
-        "logprob_start_len": len(prompt) - 1,
-    }
-    resp = httpx.post(url + "/generate", json=payload, timeout=timeout)
-    resp.raise_for_status()
-    return input_logprobs_from_meta(resp.json()["meta_info"], len(reference), reference)
+    meta = _teacher_forced_meta(url, prompt, reference, timeout)
+    return input_logprobs_from_meta(meta, len(reference), reference)
 
 
 def cold_replay_logprobs(
@@ -133,18 +149,8 @@ def cold_replay_logprobs(
     server holds: the request carries a ``cache_salt`` of its own (uuid4), a namespace in which
     neither SGLang's prefix cache nor semblend's donors hold anything. The replay half of
     SGLang's KL measure (:func:`.metrics.kl_divergence`); it needs no flush."""
-    import httpx
-
-    payload = {
-        "input_ids": list(prompt) + list(answer),
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-        "return_logprob": True,
-        "logprob_start_len": len(prompt) - 1,
-        "cache_salt": f"kl-replay-{uuid.uuid4().hex}",
-    }
-    resp = httpx.post(url + "/generate", json=payload, timeout=timeout)
-    resp.raise_for_status()
-    meta = resp.json()["meta_info"]
+    salt = f"kl-replay-{uuid.uuid4().hex}"
+    meta = _teacher_forced_meta(url, prompt, answer, timeout, cache_salt=salt)
     if int(meta.get("cached_tokens", 0)):
         raise RuntimeError(f"a cold replay reused {meta['cached_tokens']} cached tokens")
     return input_logprobs_from_meta(meta, len(answer), answer)
