@@ -1,7 +1,8 @@
 """CPU runtime that lets the real SGLang 0.5.23 serve a model on a machine without CUDA.
 
 Two pieces, both in ``site/`` (see docs/cpu.md): an import-only ``sgl_kernel`` stand-in and a
-``sitecustomize`` that defines the torchvision operator schemas before torchvision is imported.
+``sitecustomize`` that defines the torchvision operator schemas before torchvision is imported
+and gives SGLang's KV canary its CPU stand-ins (:mod:`.canary_shim`).
 The launcher calls :func:`runtime_environ` for the server's environment, so spawned scheduler and
 detokenizer processes load them too; in-process users call :func:`activate_in_process`. Nothing
 here edits site-packages, and nothing is applied where CUDA is available.
@@ -45,17 +46,19 @@ def activate_in_process() -> bool:
 
     For in-process engines (``sglang.Engine``) and tests: updates ``os.environ`` as
     :func:`runtime_environ` does, puts ``SITE_DIR`` on ``sys.path`` and installs the torchvision
-    hook. Call it before sglang is imported. Returns False (and changes nothing) when CUDA is
-    available. Idempotent.
+    and KV canary hooks. Call it before sglang is imported. Returns False (and changes nothing)
+    when CUDA is available. Idempotent.
     """
     if cuda_available():
         return False
     os.environ.update(runtime_environ())
     if str(SITE_DIR) not in sys.path:
         sys.path.insert(0, str(SITE_DIR))
+    from .canary_shim import install_canary_cpu_hook
     from .torchvision_shim import install_torchvision_hook
 
     install_torchvision_hook()
+    install_canary_cpu_hook()
     return True
 
 
