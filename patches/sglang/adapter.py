@@ -37,6 +37,10 @@ when sglang calls it (every call on the scheduler's thread):
   /semblend/snapshot.
 - each backend's init_forward_metadata, forward_extend (.attention) -> the split view (.split_view):
   every forward; they act on batches holding a sparse request only.
+- sglang.srt.kv_canary.single_forward_manager.manager.launch_endpoints_per_forward (a module
+  function, wrapped at scheduler start only where sglang installed its KV canary:
+  .kv_canary_record) -> CanaryRecorder.launch: each head and tail canary launch of a forward; it
+  acts on batches holding a sparse request only.
 
 **The raise rule.** A wrapper calls the original method, and the flow through
 :meth:`~.request_flow.RequestFlow.guarded` (an error is counted, logged once, and the request

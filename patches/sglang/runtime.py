@@ -95,6 +95,9 @@ class SemblendRuntime:
         self.forward_stream: Any = None
         """The device stream the engine's forward runs on (the scheduler's, set at its start;
         None on CPU or before): the K/V copy is ordered after it (:mod:`.one_pass`)."""
+        self.canary: Any = None
+        """The :class:`.kv_canary_record.CanaryRecorder` when the model runner has SGLang's KV
+        canary (set at scheduler start; None otherwise)."""
 
     # ----------------------------------------------------------------- start-up
     def refuse(self, options: list[str]) -> None:
@@ -121,8 +124,9 @@ class SemblendRuntime:
     def snapshot(self) -> dict[str, Any]:
         """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named),
         ``reuse_off`` (every start-up reason reuse cannot happen here), the donor KV's counters,
-        ``sparse_extend_batches`` (batches holding a sparse request, by attention path) and
-        ``passage_orders`` (:attr:`passage_orders`)."""
+        ``sparse_extend_batches`` (batches holding a sparse request, by attention path),
+        ``passage_orders`` (:attr:`passage_orders`) and ``kv_canary_recorded`` (forward batches
+        and slots written to SGLang's KV canary: :mod:`.kv_canary_record`)."""
         snap = self.provider.snapshot()
         snap["unsupported_options"] = list(self.refused)
         snap["reuse_off"] = list(self.reuse_off)
@@ -134,6 +138,11 @@ class SemblendRuntime:
         snap["by_settings"] = {label: dict(c) for label, c in sorted(self.by_settings.items())}
         snap["passage_orders"] = dict(self.passage_orders)
         snap["sparse_extend_batches"] = sparse_batch_counts()
+        canary = self.canary
+        snap["kv_canary_recorded"] = {
+            "batches": 0 if canary is None else canary.batches,
+            "slots": 0 if canary is None else canary.slots,
+        }
         return snap
 
     # ----------------------------------------------------------------- lookups and outcomes

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import check_install
+from . import check_install, kv_canary_record
 from .attention import served_attention_refusal, set_sparse_path
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .request_flow import RequestFlow
@@ -89,7 +89,9 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
     attention backend that will decline every plan (:meth:`SemblendRuntime.note_reuse_off`:
     the snapshot's ``reuse_off``), the runtime takes the model's RoPE from the engine's resolved
     config (:meth:`SemblendRuntime.use_model_config`) and the model's layers are wrapped for a
-    check-layer recompute, whatever the server's strategy (:func:`.check_install.install`).
+    check-layer recompute, whatever the server's strategy (:func:`.check_install.install`),
+    and, where sglang installed its KV canary, the canary records copied slots
+    (:func:`.kv_canary_record.install`).
     The scheduler's forward stream is handed to the runtime in both cases (the copy waits for
     it)."""
     runtime = flow.runtime
@@ -118,5 +120,6 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
         runner = check_install.model_runner_of(self)
         if runner is not None:
             flow.guarded("startup", None, None, check_install.install, flow, runner)
+            flow.guarded("startup", None, None, kv_canary_record.install, flow, runner)
 
     return __init__

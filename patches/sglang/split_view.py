@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -111,12 +112,13 @@ class BatchNotes:
 class ForwardNotes:
     """Everything semblend keeps on one ForwardBatch during its forward (:data:`NOTES_ATTR`):
     the attention hooks' :class:`BatchNotes` (new ones once the check layer shrinks the batch),
-    whether it was counted on a sparse path, and the check layer's state (check_layer.py's; None
-    unless it armed one). Only :func:`forward_notes` makes one."""
+    whether it was counted on a sparse path, the check layer's state (check_layer.py's) and the
+    KV canary's (kv_canary_record.py's); None unless set. Only :func:`forward_notes` makes one."""
 
     batch: BatchNotes
     counted: bool = False
     check: object | None = None
+    canary: object | None = None
 
 
 def forward_notes(forward_batch: Any) -> ForwardNotes:
@@ -235,9 +237,7 @@ def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
     view.extend_prefix_lens = _like(seqs.prefix, fb.extend_prefix_lens)
     view.extend_seq_lens_cpu = list(seqs.extend)
     view.extend_prefix_lens_cpu = list(seqs.prefix)
-    starts = [0]
-    for c in seqs.extend[:-1]:
-        starts.append(starts[-1] + c)
+    starts = list(itertools.accumulate(seqs.extend[:-1], initial=0))
     template = getattr(fb, "extend_start_loc", None)
     view.extend_start_loc = _like(starts, template if template is not None else fb.seq_lens)
     for name in ("extend_logprob_start_lens_cpu", "orig_seq_lens", "max_seq_len_override"):
