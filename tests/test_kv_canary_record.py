@@ -17,6 +17,7 @@ phase checker and device-to-host pump.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,9 +101,22 @@ class StandInScheduleBatch:
     prefix_lens: list[int]
     extend_lens: list[int]
     sparse: dict[str, torch.Tensor] = field(default_factory=dict)
+    candidates: dict[str, one_pass.CheckCandidates] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        setattr(self, one_pass.BATCH_ATTR, one_pass.BatchReuse(sparse=dict(self.sparse)))
+        reuse = one_pass.BatchReuse(sparse=dict(self.sparse), candidates=dict(self.candidates))
+        setattr(self, one_pass.BATCH_ATTR, reuse)
+
+
+def load_batch_stand_in(fb: Any) -> Any:
+    """What sglang's eager runner hands the model (``EagerRunner.load_batch``): another
+    ForwardBatch of the same fields (``dataclasses.replace``, sglang's own code under
+    SGLANG_EAGER_INPUT_NO_COPY), its per-token tensors copied (into its static buffers by
+    default); nothing semblend set on the original comes along."""
+    run = dataclasses.replace(fb)
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        setattr(run, name, getattr(fb, name).clone())
+    return run
 
 
 class Rig:
@@ -166,20 +180,22 @@ class Rig:
         self.pool.v_buffer[0][dst] = self.pool.v_buffer[0][src]
 
     def run(self, fb: Any, during: Callable[[Any], None] | None = None) -> None:
-        """One forward of ``fb`` inside the canary's brackets; ``during`` runs after the
-        model forward, before the canary's post-forward launches (where a check-layer shrink
-        leaves the batch)."""
+        """One forward of ``fb`` inside the canary's brackets, as ``ModelRunner.forward`` runs
+        it (the model gets :func:`load_batch_stand_in`'s copy); ``during`` runs after the model
+        forward, before the canary's post-forward launches (where a check-layer shrink leaves
+        the batch)."""
         m = self.manager
         with (
             m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb),
             m.with_active_single_forward_manager(0),
             m.model_forward_bracket_scope(),
         ):
-            pre = m.pre_ops_maybe_inside_graph(fb)
-            self.fake_model_forward(fb)
+            run = load_batch_stand_in(fb)
+            pre = m.pre_ops_maybe_inside_graph(run)
+            self.fake_model_forward(run)
             if during is not None:
-                during(fb)
-            m.post_ops_maybe_inside_graph(fb, pre)
+                during(run)
+            m.post_ops_maybe_inside_graph(run, pre)
 
     def extend_batch(
         self,
@@ -454,6 +470,37 @@ def test_a_check_layer_shrink_does_not_misread_the_tail_launch(rigs: Any) -> Non
     assert rig.violations() == []
 
 
+def test_a_check_layer_shrink_of_a_dense_batch_does_not_misread_it(rigs: Any) -> None:
+    """A plan of several spans keeps every copied position computed up to the check layer: its
+    extend starts dense (no sparse row) and shrinks after the check layer. Unrecorded, the
+    canary's tail write misreads it; recorded, the tail launch gets the head launch's batch and
+    the canary's own entries verify clean."""
+    candidates = {"b": one_pass.CheckCandidates(torch.arange(4, 16), final=True, reused=12)}
+
+    def step(rig: Rig) -> None:
+        rig.prefill(1, A, SLOTS_A)
+        rig.r2t.req_to_token[2, :N] = SLOTS_B.to(torch.int32)
+        rig.fill_verify_tokens_stand_in(2, B)
+        rig.fake_donor_copy(SLOTS_A[8:20], SLOTS_B[8:20])
+        rig.r2t.req_to_token[3, :6] = SLOTS_C.to(torch.int32)
+        rig.fill_verify_tokens_stand_in(3, C)
+        reqs, n = [StandInReq("b", 2, B.tolist()), StandInReq("c", 3, C.tolist())], N - PREFIX
+        batch = StandInScheduleBatch(reqs, [PREFIX, 0], [n, 6], candidates=candidates)
+        ids, loc = torch.cat([B[PREFIX:], C]), torch.cat([SLOTS_B[PREFIX:], SLOTS_C])
+        fb = rig.extend_batch([2, 3], [PREFIX, 0], [N, 6], ids, loc, [n, 6])
+        rig.flow.forward_batch(batch, rig.runner, fb)
+        rig.run(fb, during=_shrink_at_check_layer)
+
+    control = rigs(False)
+    with pytest.raises(IndexError):
+        step(control)
+    rig = rigs(True)
+    step(rig)
+    rig.decode({2: B, 3: C})
+    assert rig.violations() == []
+    assert rig.recorder.batches == 0  # nothing to write: the canary wrote every position
+
+
 def test_a_recording_error_fails_open(rigs: Any, sgl: Any) -> None:
     """A recording that cannot be built (our tokens end short of the chunk) is counted and
     logged once, never raised; the canary then launches as it planned, and reports."""
@@ -463,6 +510,27 @@ def test_a_recording_error_fails_open(rigs: Any, sgl: Any) -> None:
     bit = sgl.consts.FailReason.WRITE_POSITION_MISMATCH
     assert [why for *_, why in rig.violations()] == [bit, bit]
     assert rig.recorder.batches == 0
+
+
+def test_a_forward_of_other_lengths_does_not_take_the_noted_rows(rigs: Any) -> None:
+    """The rows noted at ``init_new`` go to the forward of that batch's lengths only: a
+    forward of other lengths in between runs as the canary planned it."""
+    rig = rigs(True)
+    rig.prefill(1, A, SLOTS_A)
+    rig.r2t.req_to_token[2, :N] = SLOTS_B.to(torch.int32)
+    rig.fill_verify_tokens_stand_in(2, B)
+    lo, hi = COPIED
+    rig.fake_donor_copy(SLOTS_A[lo:hi], SLOTS_B[lo:hi])
+    n = int(COMPUTED_B.numel())
+    batch = StandInScheduleBatch([StandInReq("b", 2, B.tolist())], [PREFIX], [n], {"b": COMPUTED_B})
+    fb = rig.extend_batch([2], [PREFIX], [N], B[COMPUTED_B], SLOTS_B[COMPUTED_B], [n])
+    rig.flow.forward_batch(batch, rig.runner, fb)
+    rig.prefill(3, C, SLOTS_C)  # another forward first
+    assert rig.recorder.pending is not None and rig.recorder.batches == 0
+    rig.run(fb)
+    assert rig.recorder.pending is None and rig.recorder.batches == 1
+    rig.decode({2: B, 3: C})
+    assert rig.violations() == []
 
 
 def test_without_a_canary_nothing_is_installed(sgl: Any) -> None:

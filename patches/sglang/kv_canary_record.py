@@ -13,11 +13,13 @@ planned before the forward.
 
 So, while a canary is installed, its per-forward launches
 (``single_forward_manager.manager.launch_endpoints_per_forward``, head before the forward and
-tail after it) get the batch as it was at the head launch with the sparse requests' slots set
-to -1 (its write kernel skips those), and right after each launch the canary's own write kernel
-writes each sparse request's chunk ``[lo, hi)`` in position order, chained from the slot at
-``lo - 1``: the forward's token and slot where it computed, the request's token and its row's
-slot where semblend copied. The canary's next verify then checks that bookkeeping. Nothing here
+tail after it) of a batch with sparse requests or check candidates get the batch as it was at
+the head launch, the sparse requests' slots set to -1 (its write kernel skips those), and right
+after each launch the canary's own write kernel writes each sparse request's chunk ``[lo, hi)``
+in position order, chained from the slot at ``lo - 1``: the forward's token and slot where it
+computed, the request's token and its row's slot where semblend copied. The rows noted at
+``init_new`` go to the first launch of a batch of their lengths (the model runs a copy of the
+batch ``init_new`` built). The canary's next verify then checks that bookkeeping. Nothing here
 imports sglang before :func:`install` finds a canary. An error is the flow's (counted, logged
 once) and leaves that launch as the canary built it: what it then reports is its own.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import copy
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -70,23 +72,34 @@ class SparseRow:
 
 
 @dataclass(frozen=True)
-class _Launch:
-    """What one forward's canary launches use: ``batch`` (the forward batch at its head launch,
-    sparse rows' slots -1) and ``expected`` (that launch's expected inputs), and the write of the
-    sparse rows (``plan``, ``ids``, ``positions``, ``slots``, on the batch's device)."""
+class _RowsWrite:
+    """The sparse rows' write of one forward, on the batch's device: the canary's ``plan`` (one
+    request per row, seeded at the slot before its chunk) over ``ids``, ``positions``,
+    ``slots`` (each row's chunk in position order)."""
 
-    batch: Any
-    expected: Any
     plan: Any
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What one forward's canary launches use: ``batch`` (a copy of the forward batch at its
+    head launch: a later check-layer shrink replaces the real one's per-token fields; the
+    sparse rows' slots -1), ``expected`` (that launch's expected inputs) and the sparse rows'
+    ``write`` (None: no sparse row, only check candidates)."""
+
+    batch: Any
+    expected: Any
+    write: _RowsWrite | None
+
+
 @dataclass
 class CanaryNotes:
-    """The recorder's state on one ForwardBatch (``ForwardNotes.canary``): its sparse rows and
-    the launch data built at its first canary launch (None until then, or when that failed)."""
+    """The recorder's state on one ForwardBatch (``ForwardNotes.canary``): its sparse rows
+    (maybe none: a batch with check candidates) and the launch data built at its first canary
+    launch (None until then, or when that failed)."""
 
     rows: tuple[SparseRow, ...]
     launch: _Launch | None = None
@@ -105,17 +118,26 @@ class CanaryRecorder:
     def __init__(self, flow: RequestFlow, req_to_token: torch.Tensor) -> None:
         self.flow = flow
         self.req_to_token = req_to_token
+        self.pending: tuple[tuple[list[int], ...], CanaryNotes] | None = None
+        """The last noted batch's lengths and rows, until a forward of those lengths takes them
+        (the model runs a copy of the ForwardBatch ``init_new`` built: the eager runner's
+        ``load_batch``)."""
         self.batches = 0
         """Forward batches whose sparse rows were written to the canary."""
         self.slots = 0
         """Slots written (each chunk position once per batch, whatever the buffers)."""
 
     def note(self, batch: Any, forward_batch: Any) -> None:
-        """After ``init_new`` built ``forward_batch`` for ``batch``: note its sparse rows (a
+        """After ``init_new`` built ``forward_batch`` for ``batch``: keep its sparse rows (a
         request of ``batch``'s :class:`~.one_pass.BatchReuse` whose computed positions are the
-        forward's, ``prefix + extend != seq``) in its notes; nothing for a batch with none."""
+        forward's, ``prefix + extend != seq``), none for a batch with check candidates only
+        (its tail launch still needs the batch of its head launch), for its forward's first
+        canary launch; any other batch drops what an earlier one left."""
+        self.pending = None
         reuse = one_pass.batch_reuse(batch)
-        if reuse is None or not reuse.sparse or not forward_batch.forward_mode.is_extend():
+        if reuse is None or not (reuse.sparse or reuse.candidates):
+            return
+        if not forward_batch.forward_mode.is_extend():
             return
         lens = batch_lens(forward_batch)
         if lens is None:
@@ -130,32 +152,45 @@ class CanaryRecorder:
                 continue
             tokens = torch.tensor(req.get_fill_ids()[prefix[i] : seq[i]], dtype=torch.int64)
             rows.append(SparseRow(i, self.flow.view.row_of(req), prefix[i], tokens, computed))
-        if rows:
-            forward_notes(forward_batch).canary = CanaryNotes(tuple(rows))
+        self.pending = (lens, CanaryNotes(tuple(rows)))
+
+    def _notes_of(self, fb: Any) -> CanaryNotes | None:
+        """The canary notes of the forward batch ``fb`` the model runs: its own, or the pending
+        ones when its lengths are the noted batch's (then its own from now on)."""
+        found = getattr(getattr(fb, NOTES_ATTR, None), "canary", None)
+        if found is not None or self.pending is None or not fb.forward_mode.is_extend():
+            return cast("CanaryNotes | None", found)
+        lens, notes = self.pending
+        if batch_lens(fb) != lens:
+            return None
+        self.pending = None
+        forward_notes(fb).canary = notes
+        return notes
 
     def launch(self, original: Callable[..., Any], kw: dict[str, Any]) -> None:
         """One canary launch (``kw``: the canary's keywords): ``original`` on the batch the
-        canary may see, then the sparse rows' write. A batch without sparse rows, or a group
-        other than the full pool's, is launched unchanged."""
-        fb = kw["forward_batch"]
-        notes = getattr(getattr(fb, NOTES_ATTR, None), "canary", None)
+        canary may see, then the sparse rows' write. A batch without notes, or a group other
+        than the full pool's, is launched unchanged."""
+        notes = self._notes_of(kw["forward_batch"])
         if notes is None or kw["group"].kind.name != "FULL":
             original(**kw)
             return
         if not notes.built:
             notes.built = True
             notes.launch = self.flow.guarded("kv_canary", None, None, _build, self, notes, kw)
-            if notes.launch is not None:
+            write = None if notes.launch is None else notes.launch.write
+            if write is not None:
                 self.batches += 1
-                self.slots += int(notes.launch.slots.numel())
+                self.slots += int(write.slots.numel())
         found = notes.launch
         if found is None:
             original(**kw)
             return
         original(**{**kw, "forward_batch": found.batch, "expected_inputs": found.expected})
-        self.flow.guarded("kv_canary", None, None, self._write, kw, found)
+        if found.write is not None:
+            self.flow.guarded("kv_canary", None, None, self._write, kw, found.write)
 
-    def _write(self, kw: dict[str, Any], found: _Launch) -> None:
+    def _write(self, kw: dict[str, Any], found: _RowsWrite) -> None:
         """The canary's write kernel over the sparse rows, for each write endpoint of this
         launch (its group and head or tail filter, the V half where the canary enables it)."""
         from sglang.kernels.ops.kv_canary.verify import VerifyOrWriteContext
@@ -195,22 +230,31 @@ class CanaryRecorder:
 
 def _build(recorder: CanaryRecorder, notes: CanaryNotes, kw: dict[str, Any]) -> _Launch:
     """The launch data of one forward from its first canary launch (before the forward, so
-    before any check-layer shrink). Raises ValueError when a row's computed positions are not
-    ascending inside its chunk, or the batch's lengths disagree with the rows."""
+    before any check-layer shrink). Raises ValueError as :func:`_rows_write`."""
+    fb = kw["forward_batch"]
+    view = copy.copy(fb)
+    view.__dict__.pop(NOTES_ATTR, None)
+    write = _rows_write(recorder.req_to_token, notes.rows, view) if notes.rows else None
+    return _Launch(view, kw["expected_inputs"], write)
+
+
+def _rows_write(table: torch.Tensor, rows: tuple[SparseRow, ...], view: Any) -> _RowsWrite:
+    """The write of ``rows`` (``table``: ``req_to_token``), each chunk position once: the
+    forward's token and slot where it computes, the row's token and slot elsewhere; sets the
+    rows' slots of ``view.out_cache_loc`` to -1. Raises ValueError when a row's computed
+    positions are not ascending inside its chunk, or the batch's lengths disagree with them."""
     from sglang.kernels.ops.kv_canary.write import WritePlan
 
-    fb = kw["forward_batch"]
-    loc, ids = fb.out_cache_loc, fb.input_ids
+    loc, ids = view.out_cache_loc, view.input_ids
     device = loc.device
     starts = [0]
-    for n in fb.extend_seq_lens_cpu:
+    for n in view.extend_seq_lens_cpu:
         starts.append(starts[-1] + int(n))
     if ids is None or int(loc.shape[0]) != starts[-1] or int(ids.shape[0]) != starts[-1]:
         raise ValueError("the batch's token count and its extend lengths differ")
     keep = torch.ones(starts[-1], dtype=torch.bool)
     tokens, slots, seeds, offsets = [], [], [], [0]
-    table = recorder.req_to_token
-    for row in notes.rows:
+    for row in rows:
         s, e = starts[row.index], starts[row.index + 1]
         at = row.computed - row.lo
         if e - s != int(at.numel()) or not _inside(at, row.hi - row.lo):
@@ -228,19 +272,14 @@ def _build(recorder: CanaryRecorder, notes: CanaryNotes, kw: dict[str, Any]) -> 
         else:
             seeds.append(torch.full((1,), -1, dtype=torch.int64, device=device))
         offsets.append(offsets[-1] + row.hi - row.lo)
-    view = copy.copy(fb)
-    view.__dict__.pop(NOTES_ATTR, None)
     view.out_cache_loc = torch.where(keep.to(device), loc, torch.full_like(loc, -1))
     plan = WritePlan(
         write_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
         write_seed_slot_indices=torch.cat(seeds),
-        write_num_valid_reqs=torch.tensor([len(notes.rows)], dtype=torch.int32, device=device),
+        write_num_valid_reqs=torch.tensor([len(rows)], dtype=torch.int32, device=device),
     )
-    positions = torch.cat(
-        [torch.arange(r.lo, r.hi, dtype=torch.int64, device=device) for r in notes.rows]
-    )
-    ids_all, slots_all = torch.cat(tokens), torch.cat(slots)
-    return _Launch(view, kw["expected_inputs"], plan, ids_all, positions, slots_all)
+    positions = [torch.arange(r.lo, r.hi, dtype=torch.int64, device=device) for r in rows]
+    return _RowsWrite(plan, torch.cat(tokens), torch.cat(positions), torch.cat(slots))
 
 
 def _inside(at: torch.Tensor, n: int) -> bool:

@@ -306,13 +306,16 @@ class RequestFlow:
     # ----------------------------------------------------------------- 4. forward
     def forward_batch(self, batch: Any, model_runner: Any, forward_batch: Any) -> None:
         """After ``ForwardBatch.init_new`` built ``forward_batch`` for ``batch``: the first
-        forward learns the attention backend; a check layer is armed; a batch with sparse
-        requests gets their true positions, noted for SGLang's KV canary where it runs (a
+        forward learns the attention backend; SGLang's KV canary, where it runs, notes the
+        batch; a check layer is armed; a batch with sparse requests gets their true positions (a
         decode forward forgets them). Raises the ``ValueError`` of
         :func:`.one_pass.forward_positions` when that batch's lengths and positions disagree:
         its KV is copied, no normal path is left (:mod:`.adapter`)."""
         if self.backend_ok is None:
             self.guarded("backend", None, None, self._check_backend, model_runner)
+        canary = self.runtime.canary  # sglang's KV canary (kv_canary_record.py)
+        if canary is not None:
+            self.guarded("kv_canary", None, None, canary.note, batch, forward_batch)
         hook = self.runtime.check_hook
         reuse = one_pass.batch_reuse(batch)
         if reuse is None:
@@ -324,9 +327,6 @@ class RequestFlow:
                 one_pass.clear(batch)
             else:
                 forward_batch.positions = one_pass.forward_positions(batch, forward_batch.positions)
-                canary = self.runtime.canary  # sglang's KV canary (kv_canary_record.py)
-                if canary is not None:
-                    self.guarded("kv_canary", None, None, canary.note, batch, forward_batch)
 
     def _check_backend(self, model_runner: Any) -> None:
         """Set :attr:`backend_ok` from the model runner's attention backend."""
