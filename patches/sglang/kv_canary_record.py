@@ -110,10 +110,10 @@ class CanaryNotes:
 
 class CanaryRecorder:
     """Records sparse requests' chunks with one model runner's canary. :meth:`note` is called by
-    ``RequestFlow.forward_batch`` on the scheduler's thread; :meth:`launch` by the wrapper of the
-    canary's per-forward launch, inside the forward. Neither raises into the engine (their
-    callers run them through ``flow.guarded``); neither changes the forward batch sglang
-    runs, only what the canary's launches are given."""
+    ``RequestFlow.forward_batch`` (through ``flow.guarded``) on the scheduler's thread;
+    :meth:`launch` by the wrapper of the canary's per-forward launch, inside the forward, its
+    own steps guarded (only the canary's launch may raise: its errors are its own). Neither
+    changes anything sglang reads, only what the canary's launches are given."""
 
     def __init__(self, flow: RequestFlow, req_to_token: torch.Tensor) -> None:
         self.flow = flow
@@ -171,7 +171,7 @@ class CanaryRecorder:
         """One canary launch (``kw``: the canary's keywords): ``original`` on the batch the
         canary may see, then the sparse rows' write. A batch without notes, or a group other
         than the full pool's, is launched unchanged."""
-        notes = self._notes_of(kw["forward_batch"])
+        notes = self.flow.guarded("kv_canary", None, None, self._notes_of, kw["forward_batch"])
         if notes is None or kw["group"].kind.name != "FULL":
             original(**kw)
             return
