@@ -130,15 +130,18 @@ def sgl_kernel_standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def semblend_server(
     smollm2_model_dir: Path, sgl_kernel_standin_log: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SglangServer]:
-    """One real SGLang server with semblend on (default settings) and ``--enable-metrics``,
-    shared by test_e2e_semantic.py and test_e2e_server.py: a start costs 20-30 s on 2 cores.
-    Its tests read counters as differences and use their own essays, so their order does not
-    matter. Stopped at the end of the session."""
+    """One real SGLang server with semblend on (default settings), ``--enable-metrics`` and
+    SGLang's own KV canary in ``raise`` mode (``--kv-canary raise``: every forward verifies each
+    request's slots, and a violation stops the server, so every test on it fails loudly),
+    shared by the end-to-end modules that need no launch argument of their own: a start costs
+    40-50 s on 2 cores. Its tests read counters as differences and use their own cache salts,
+    so their order does not matter. Stopped at the end of the session."""
     from tests.harness.server import healthy_server
 
     log = tmp_path_factory.mktemp("semblend-server") / "server.log"
     env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(sgl_kernel_standin_log)}
-    with healthy_server(smollm2_model_dir, log, env, ["--enable-metrics"]) as srv:
+    args = ["--enable-metrics", "--kv-canary", "raise"]
+    with healthy_server(smollm2_model_dir, log, env, args) as srv:
         yield srv
 
 
