@@ -28,7 +28,7 @@ from semblend_sglang.bench.systems import (
 )
 from semblend_sglang.bench.workloads import BenchRequest, RequestGroup
 from semblend_sglang.config import Config
-from semblend_sglang.server import cpu_dp_environ, dp_size_of
+from semblend_sglang.server import SglangServer, cpu_dp_environ, dp_size_of
 
 
 def test_outcome_delta_names_the_one_outcome_a_request_added() -> None:
@@ -275,15 +275,23 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
 
 @pytest.mark.e2e
 def test_the_reorder_system_hits_sglang_exact_prefix_cache(
-    tmp_path: Path, smollm2_model_dir: Path
+    tmp_path: Path, smollm2_model_dir: Path, vanilla_server: SglangServer
 ) -> None:
-    """The lossless anchor on the real CPU server: vanilla SGLang, after the donor, sent the
+    """The lossless anchor on the real CPU server: vanilla SGLang (the shared vanilla server,
+    named with ``--url``: the system's server is plain SGLang), after the donor, sent the
     qa_rag probe with its passages in the donor's order, so SGLang's own exact prefix cache
     serves every passage; its answer is scored against gold. (The pairing with vanilla's cold
-    run is tests/test_bench_qa.py's; one server here keeps this test short.)"""
+    run is tests/test_bench_qa.py's.)"""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "semblend_sglang.bench", "--quick", "--repeats", "1"]
-    cmd += ["--workloads", "qa_rag", "--systems", "reorder"]
+    cmd += [
+        "--workloads",
+        "qa_rag",
+        "--systems",
+        "reorder",
+        "--url",
+        f"reorder={vanilla_server.url}",
+    ]
     cmd += ["--model-path", str(smollm2_model_dir), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
