@@ -73,23 +73,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# make test: lint, then the main suite as two pytest processes side by side: the tests that start no
-# real server (as make test-fast; their output in $(TEST_LOGS)/no-server.log, its end printed after)
-# and the e2e ones (on the console). A server start waits on one core for much of its 40-50 s, and
-# the other tests fill the other. Fails when either fails; "no tests collected" (a PYTEST_ARGS
-# filter that leaves one process nothing) counts as passed unless both collected nothing.
-TEST_LOGS ?= .cache/test
-test: lint venv-sglang
-	@mkdir -p $(TEST_LOGS); log=$(TEST_LOGS)/no-server.log; \
-	SEMBLEND_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider $(TESTS_sglang) -m "not e2e" \
-		$(PYTEST_ARGS) >"$$log" 2>&1 & fast=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider $(TESTS_sglang) -m e2e $(PYTEST_ARGS); e2e=$$?; \
-	wait $$fast; nos=$$?; \
-	echo "== make test: the tests that start no real server ($$log):"; \
-	if [ $$nos -ne 0 ] && [ $$nos -ne 5 ]; then cat "$$log"; else tail -n 30 "$$log"; fi; \
-	echo "== make test: e2e exit $$e2e, no-server exit $$nos"; \
-	if [ $$e2e -eq 5 ] && [ $$nos -eq 5 ]; then exit 5; fi; \
-	for rc in $$e2e $$nos; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
+test: lint test-sglang
 
 # The inner loop (never CI's only suite): lint, then every test of the main suite that starts no
 # real server (marker e2e deselected; tests/conftest.py fails a test that starts one anyway).
