@@ -1,4 +1,4 @@
-"""The bench's one HTTP client (semblend_sglang/bench/client.py) against a small real HTTP server
+"""The bench's one HTTP client (bench/client.py) against a small real HTTP server
 in this process that answers like SGLang (tests/sglang_like_server.py): server-sent events from
 ``/generate``, a refused then applied ``/flush_cache``, ``/semblend/snapshot`` and
 ``/health_generate``. The client against the real SGLang server is exercised by

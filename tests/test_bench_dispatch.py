@@ -1,4 +1,4 @@
-"""``bench dispatch`` (semblend_sglang/bench/dispatch_simulation.py): the simulation runs, is
+"""``bench dispatch`` (bench/dispatch_simulation.py): the simulation runs, is
 deterministic in its hit rates, and donor-aware dispatch keeps hits that load-only dispatch
 loses."""
 

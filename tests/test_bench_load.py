@@ -1,4 +1,4 @@
-"""The load bench's schedule and summary (semblend_sglang/bench/load.py); the servers' side is
+"""The load bench's schedule and summary (bench/load.py); the servers' side is
 exercised by running ``python -m semblend_sglang.bench load`` (docs/perf.md)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``bench blend-sim`` (semblend_sglang/bench/blend_sim.py): its float32 forward against
+"""``bench blend-sim`` (bench/blend_sim.py): its float32 forward against
 transformers' on the real SmolLM2 weights and real text (and on a random Qwen2 model with q/k/v
 biases), and its recompute simulation against the cold prefill it must equal when nothing or
 everything is recomputed."""

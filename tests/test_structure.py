@@ -15,6 +15,7 @@ PACKAGES = {
     "semblend_sglang": ROOT / "semblend_sglang",
     "semblend_sglang.patches": ROOT / "patches",
     "semblend_sglang.kernels": ROOT / "kernels",
+    "semblend_sglang.bench": ROOT / "bench",
 }
 """Import name -> folder, as pyproject's package-dir maps them."""
 
