@@ -58,7 +58,7 @@ def _scheduler_class(server_args: Any, forward_stream: Any, flow: RequestFlow) -
     return Scheduler
 
 
-def test_the_scheduler_hands_its_forward_stream_to_the_runtime_stand_in_scheduler(
+def test_the_scheduler_hands_its_forward_stream_to_the_flow_stand_in_scheduler(
     smollm2_model_dir: Path,
 ) -> None:
     from sglang.srt.server_args import ServerArgs
@@ -69,5 +69,5 @@ def test_the_scheduler_hands_its_forward_stream_to_the_runtime_stand_in_schedule
         flow = UnifiedRadixCacheAdapter(Config()).flow
         runtime = flow.runtime
         _scheduler_class(args, forward, flow)()
-        assert runtime.forward_stream is forward  # handed over, refused or not
+        assert flow.engine.forward_stream is forward  # handed over, refused or not
         assert runtime.active is active

@@ -30,6 +30,7 @@ import torch
 from semblend_sglang.config import Config
 from semblend_sglang.cpu_runtime.canary_shim import apply_canary_cpu_shim
 from semblend_sglang.patches.sglang import batch_shrink, kv_canary_record, one_pass
+from semblend_sglang.patches.sglang.engine_facts import EngineFacts
 from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
 
 CPU = torch.device("cpu")
@@ -163,6 +164,7 @@ class Rig:
         self.flow.backend_ok = True
         self.runner = SimpleNamespace(canary_manager=self.manager, req_to_token_pool=self.r2t)
         self.recorder = kv_canary_record.install(self.flow, self.runner) if record else None
+        self.flow.engine_started(EngineFacts(canary=self.recorder))  # as scheduler start does
         self.outputs: dict[int, list[int]] = {}
 
     # ---- the pieces of one step
@@ -541,7 +543,7 @@ def test_without_a_canary_nothing_is_installed(sgl: Any) -> None:
     flow = UnifiedRadixCacheAdapter(Config()).flow
     before = manager.launch_endpoints_per_forward
     assert kv_canary_record.install(flow, SimpleNamespace(canary_manager=None)) is None
-    assert flow.runtime.canary is None
+    assert flow.engine.canary is None
     assert manager.launch_endpoints_per_forward is before
     tree = ast.parse(inspect.getsource(kv_canary_record))
     top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]

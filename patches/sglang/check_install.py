@@ -16,7 +16,7 @@ from typing import Any
 from semblend_sglang.plan import Reason
 
 from .check_layer import LayerHook
-from .request_flow import RequestFlow
+from .engine_facts import CheckReports
 
 logger = logging.getLogger(__name__)
 
@@ -62,29 +62,26 @@ def model_runner_of(scheduler: Any) -> Any:
     return runner
 
 
-def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
-    """Scheduler start: wrap the served model's layers (a model wrapped already reports to
-    ``flow`` from now on), whatever the server's strategy, since a request may choose one that
-    selects at a check layer; set :attr:`SemblendRuntime.layer_check`. On a model this seam
-    does not take, one line names why (a warning where the server's own strategy needs the
-    hook), ``layer_check`` is False and None is returned."""
-    runtime = flow.runtime
+def install(flow: CheckReports, model_runner: Any) -> LayerHook | None:
+    """Scheduler start: wrap the served model's layers and return the hook (a model wrapped
+    already reports to ``flow`` from now on), whatever the server's strategy, since a request
+    may choose one that selects at a check layer. On a model this seam does not take, one line
+    names why (a warning where the server's own strategy needs the hook) and None is returned.
+    The caller hands the result to the flow (:class:`.engine_facts.EngineFacts`)."""
+    config = flow.config
     model = getattr(model_runner, "model", None)
     if model is not None and getattr(model, _WRAPPED_ATTR, None) is not None:
         hook: LayerHook = getattr(model, _WRAPPED_ATTR)
-        hook.flow, hook.runtime = flow, runtime
-        runtime.layer_check = True
-        runtime.check_hook = hook
+        hook.flow = flow
         return hook
-    reason = refusal(model_runner, int(runtime.config.recompute_check_layer))
+    reason = refusal(model_runner, int(config.recompute_check_layer))
     if reason is None:
         try:
             hook = LayerHook(flow, model_runner)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:
-        runtime.layer_check = False
-        strategy = runtime.config.recompute_strategy
+        strategy = config.recompute_strategy
         log = logger.warning if strategy.uses_check_layer else logger.info
         log(
             "semblend: the check-layer hook refuses this model (%s): every plan whose "
@@ -96,9 +93,6 @@ def install(flow: RequestFlow, model_runner: Any) -> LayerHook | None:
         )
         return None
     object.__setattr__(model, _WRAPPED_ATTR, hook)
-    runtime.layer_check = True
-    runtime.check_hook = hook
-    config = runtime.config
     if config.recompute_recheck_depth > 0.0 and hook.recheck_layer is None:
         logger.warning(
             "semblend: recompute_recheck_depth=%s puts the second check at layer %d, not after "

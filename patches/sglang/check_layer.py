@@ -33,8 +33,8 @@ from semblend_sglang.config import Config
 from semblend_sglang.recompute import RecomputeStrategy
 
 from .batch_shrink import attention_backend, shrink_batch, shrink_hidden
+from .engine_facts import CheckReports
 from .one_pass import batch_reuse
-from .request_flow import RequestFlow
 from .request_info import wants_dense_reference
 from .request_reuse import CheckOutcome
 from .split_view import check_of, forward_notes
@@ -104,16 +104,15 @@ class LayerHook:
 
     :meth:`arm` is called by ``ForwardBatch.init_new`` for a batch with check candidates; the
     wrapped layers consume it in that batch's forward. Never raises into the forward: an error
-    is :meth:`RequestFlow.fail` and leaves the rest of the forward dense (exact)."""
+    is :meth:`.engine_facts.CheckReports.fail` and leaves the rest of the forward dense
+    (exact). It reports to ``flow`` (the request flow, through that protocol)."""
 
-    def __init__(self, flow: RequestFlow, model_runner: Any) -> None:
+    def __init__(self, flow: CheckReports, model_runner: Any) -> None:
         model = model_runner.model
         layers = model.model.layers
-        runtime = flow.runtime
         self.flow = flow
-        self.runtime = runtime
         self.pool = model_runner.token_to_kv_pool
-        config = runtime.config
+        config = flow.config
         self.check_layer = int(config.recompute_check_layer)
         self.layers = len(layers)
         self.recheck_layer = self.recheck_layer_of(config)
@@ -145,7 +144,7 @@ class LayerHook:
         for i, req in enumerate(batch.reqs):
             cand = found.get(req.rid)
             if cand is not None and cand.offsets.numel():
-                settings = self.runtime.config if cand.settings is None else cand.settings
+                settings = self.flow.config if cand.settings is None else cand.settings
                 rechecks = cand.spans > settings.recompute_check_max_spans
                 requests.append(
                     _RequestCheck(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from semblend_sglang.provider import SemanticProvider
 from .donor_heads import DonorHeads
 from .held_donors import HeldDonorCounts, HeldDonorStore
 from .request_info import eligible, namespace_for
-from .version_view import TreeMatch, TreeMatchParams
+from .version_view import TreeMatchParams, VersionView
 
 CACHE_ATTR = "_semblend_cache"
 """Attribute of a tree-cache instance that holds its :class:`CacheReuse`."""
@@ -104,7 +104,7 @@ class PendingKeep:
 class DonorKV:
     """The donors of one scheduler process: the rid -> handle registry, the held stores' policy
     and counters (``held_donors`` / ``evicted_donors`` in the runtime's snapshot), the head watch,
-    where a donor's KV is (:meth:`match`: the tree through the version's ``tree_match``, then the
+    where a donor's KV is (:meth:`match`: the tree through the view's ``tree_match``, then the
     held store). Owned by the :class:`~.request_flow.RequestFlow` (``flow.donors``) and called by
     it, the adapters' hooks and substitute mode. Every method may raise; one that took slots
     frees them first (the caller's guard makes the error a counted fallback)."""
@@ -113,11 +113,11 @@ class DonorKV:
         self,
         provider: SemanticProvider,
         config: Config,
-        tree_match: Callable[[TreeMatchParams], TreeMatch],
+        view: VersionView,
     ) -> None:
         self.provider = provider
         self.config = config
-        self._tree_match = tree_match
+        self._view = view
         self._handles: dict[str, Hashable] = {}  # live donor requests' handles
         self._next_handle = itertools.count()
         self.counts = HeldDonorCounts()
@@ -267,7 +267,7 @@ class DonorKV:
         path = torch.empty(0, dtype=torch.int64)
         node = None
         if tree_end > 0:
-            found = self._tree_match(TreeMatchParams(cache, params.namespace, donor, tree_end))
+            found = self._view.tree_match(TreeMatchParams(cache, params.namespace, donor, tree_end))
             if held is None and found.on_device < donor_end:
                 if found.on_device + found.on_host >= donor_end:
                     return DonorMatch.missing(Reason.DONOR_ON_HOST)

@@ -27,6 +27,7 @@ once) and leaves that launch as the canary built it: what it then reports is its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -291,8 +292,9 @@ def _inside(at: torch.Tensor, n: int) -> bool:
 
 def install(flow: RequestFlow, model_runner: Any) -> CanaryRecorder | None:
     """Scheduler start: when ``model_runner`` has a canary (:func:`canary_manager_of`), wrap the
-    canary's per-forward launch (once per process; a later install re-points it) and set
-    ``flow.runtime.canary``; else return None, importing nothing of the canary."""
+    canary's per-forward launch (once per process; a later install re-points it) and return
+    the recorder, which the caller hands to the flow (:class:`.engine_facts.EngineFacts`);
+    else return None, importing nothing of the canary."""
     if canary_manager_of(model_runner) is None:
         return None
     recorder = CanaryRecorder(flow, model_runner.req_to_token_pool.req_to_token)
@@ -305,16 +307,15 @@ def install(flow: RequestFlow, model_runner: Any) -> CanaryRecorder | None:
 
     setattr(launch_endpoints_per_forward, _ORIGINAL_ATTR, original)
     setattr(module, LAUNCH, launch_endpoints_per_forward)
-    flow.runtime.canary = recorder
     return recorder
 
 
 def uninstall(flow: RequestFlow | None = None) -> None:
-    """Restore the canary's own launch (a no-op when it was never wrapped) and clear
-    ``flow.runtime.canary``; for tests and unpatching."""
+    """Restore the canary's own launch (a no-op when it was never wrapped) and take the
+    recorder from ``flow``'s facts; for tests and unpatching."""
     module = importlib.import_module(MANAGER_MODULE)
     original = getattr(getattr(module, LAUNCH), _ORIGINAL_ATTR, None)
     if original is not None:
         setattr(module, LAUNCH, original)
     if flow is not None:
-        flow.runtime.canary = None
+        flow.engine_started(dataclasses.replace(flow.engine, canary=None))

@@ -36,12 +36,13 @@ from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
+from . import rank_agreement
 from .adapter import HookTable, SglangAdapter
 from .request_flow import RequestFlow
 from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
 from .substitute import substitute_request
-from .version_view import TreeMatch, TreeMatchParams, VersionView
+from .version_view import TreeMatch, TreeMatchParams
 
 logger = logging.getLogger(__name__)
 
@@ -119,17 +120,8 @@ class LegacyRadixCacheAdapter(SglangAdapter):
     supported = SpecifierSet(f">={FIRST_VERSION},<{END_VERSION}")
 
     def __init__(self, config: Config) -> None:
-        view = VersionView(
-            row_of=lambda req: int(req.req_pool_idx),
-            extend_end=lambda req: int(req.extend_range.end),
-            lock=_lock_node,
-            unlock=_unlock_node,
-            tree_match=self._tree_match,
-            serves=self._serves,
-            paged=False,
-        )
-        super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
-        self._served: tuple[type, ...] = ()
+        self.view = LegacyView()
+        super().__init__(config, RequestFlow(config, SemblendRuntime(config), self.view))
 
     # ----------------------------------------------------------------- the hook table
     def hook_table(self) -> HookTable:
@@ -141,7 +133,7 @@ class LegacyRadixCacheAdapter(SglangAdapter):
         adapter = self
         flow = self.flow
         served = _cache_classes()
-        self._served = served
+        self.view.served = served
         orig_unfinished = RadixCache.cache_unfinished_req
         orig_finished = RadixCache.cache_finished_req
         orig_abort = Scheduler.abort_request
@@ -234,36 +226,12 @@ class LegacyRadixCacheAdapter(SglangAdapter):
         # sparse_extend_supported here and every plan is declined (unsupported_cache).
         return HookTable(wrappers, triton_attention=False)
 
-    # ----------------------------------------------------------------- the view
-    def _serves(self, cache: Any) -> bool:
-        """The hook table serves ``cache``: one of the hooked tree classes, without EAGLE's
-        bigram keys."""
-        return type(cache) in self._served and not getattr(cache, "is_eagle", False)
-
     def _after_abort(self, waiting_before: list[Any], waiting_after: list[Any]) -> None:
         """Requests that ``abort_request`` took out of the waiting queue: drop their plans."""
         still = {id(r) for r in waiting_after}
         for req in waiting_before:
             if id(req) not in still:
                 self.flow.abort(req.rid)
-
-    def _tree_match(self, params: TreeMatchParams) -> TreeMatch:
-        """The tree's match of ``tokens[:end]`` with the original ``match_prefix``: its device
-        indices, and the host-resident tail behind them (HiCache)."""
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        end = params.end
-        key = _radix_key(RadixKey, array("q", params.tokens[:end].tolist()), params.namespace)
-        found = self._donor_match(params.cache, MatchPrefixParams(key=key))
-        on_device = len(found.device_indices)
-        slots = found.device_indices[:end].to(torch.int64)
-        return TreeMatch(on_device, _match_len(found) - on_device, slots, found.last_device_node)
-
-    def _donor_match(self, cache: Any, params: Any) -> Any:
-        """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
-        method = type(cache).match_prefix
-        return getattr(method, "__wrapped__", method)(cache, params)
 
     # ----------------------------------------------------------------- 3. publish up to the cap
     @staticmethod
@@ -318,13 +286,65 @@ class LegacyRadixCacheAdapter(SglangAdapter):
     def _substitute(self, scheduler: Any, req: Any) -> None:
         """Substitute mode at arrival (:func:`.substitute.substitute_request`) on a served tree."""
         cache = getattr(scheduler, "tree_cache", None)
-        if not self._serves(cache) or cache.disable:
+        if not self.view.serves(cache) or cache.disable:
             return
         substitute_request(
-            self.flow, scheduler, req, cache, lambda t, ns: self._cached_len(cache, t, ns)
+            self.flow, scheduler, req, cache, lambda t, ns: self.view.cached_len(cache, t, ns)
         )
 
-    def _cached_len(self, cache: Any, tokens: Any, namespace: Namespace) -> int:
+
+class LegacyView:
+    """sglang 0.5.15 - 0.5.18's :class:`~.version_view.VersionView` (``req.req_pool_idx``,
+    ``req.extend_range.end``, ``inc_lock_ref`` / ``dec_lock_ref`` by node, the donor match
+    through the tree). Built by :class:`LegacyRadixCacheAdapter`, which sets :attr:`served`
+    when it installs its hooks; only reads."""
+
+    paged = False
+    checks_donor_liveness = False
+
+    def __init__(self) -> None:
+        self.served: tuple[type, ...] = ()
+        """The tree classes the adapter's hooks serve (empty until they are installed)."""
+
+    def row_of(self, req: Any) -> int:
+        return int(req.req_pool_idx)
+
+    def extend_end(self, req: Any) -> int:
+        return int(req.extend_range.end)
+
+    def lock(self, cache: Any, node: Any) -> Any:
+        return _lock_node(cache, node)
+
+    def unlock(self, cache: Any, receipt: Any) -> None:
+        _unlock_node(cache, receipt)
+
+    def peers(self, cache: Any) -> list[Any]:
+        return rank_agreement.global_attention_peers(cache)
+
+    def serves(self, cache: Any) -> bool:
+        """The hook table serves ``cache``: one of the hooked tree classes, without EAGLE's
+        bigram keys."""
+        return type(cache) in self.served and not getattr(cache, "is_eagle", False)
+
+    def tree_match(self, params: TreeMatchParams) -> TreeMatch:
+        """The tree's match of ``tokens[:end]`` with the original ``match_prefix``: its device
+        indices, and the host-resident tail behind them (HiCache)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        end = params.end
+        key = _radix_key(RadixKey, array("q", params.tokens[:end].tolist()), params.namespace)
+        found = self._donor_match(params.cache, MatchPrefixParams(key=key))
+        on_device = len(found.device_indices)
+        slots = found.device_indices[:end].to(torch.int64)
+        return TreeMatch(on_device, _match_len(found) - on_device, slots, found.last_device_node)
+
+    def _donor_match(self, cache: Any, params: Any) -> Any:
+        """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
+        method = type(cache).match_prefix
+        return getattr(method, "__wrapped__", method)(cache, params)
+
+    def cached_len(self, cache: Any, tokens: Any, namespace: Namespace) -> int:
         """Tokens of ``tokens`` the exact cache holds (device and host), via the original match."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey

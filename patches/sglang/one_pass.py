@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import CheckSampling
 
 from . import rank_agreement
-from .donor_kv import DonorMatch, DonorMatchParams
+from .donor_kv import DonorKV, DonorMatchParams
 from .request_info import sparse_extend_refusal, wants_dense_reference
 from .request_reuse import RequestReuse
 from .version_view import VersionView
@@ -96,7 +96,7 @@ def _own_batch_reuse(batch: Any) -> BatchReuse:
 @dataclass(frozen=True)
 class LoadParams:
     """One prepared prefill batch to load: its ``cache`` and ``batch``, the open plans of its
-    requests (``states`` by rid), the version's ``view``, where a donor's KV is (``match_donor``:
+    requests (``states`` by rid), the version's ``view``, the ``donors`` (where a donor's KV is:
     :meth:`.DonorKV.match`), the model's RoPE ``spec``, the ranks that run it too (``peers``),
     whether the model's layers take the check-layer hook (``check``: a plan whose settings
     select at a check layer is checked there on its settings' sample) and the stream the
@@ -106,7 +106,7 @@ class LoadParams:
     batch: Any
     states: Mapping[str, RequestReuse]
     view: VersionView
-    match_donor: Callable[[DonorMatchParams], DonorMatch]
+    donors: DonorKV
     spec: Any
     peers: list[Any]
     check: bool = False
@@ -200,7 +200,7 @@ def _match_and_copy(params: LoadParams, loads: list[_RequestLoad]) -> float | No
                 by_donor.setdefault(donor, []).append(span)
             for donor, spans in by_donor.items():
                 donor_end = max(s.donor_end for s in spans)
-                match = params.match_donor(
+                match = params.donors.match(
                     DonorMatchParams(cache, load.state.namespace, donor, donor_end)
                 )
                 found = match.slots

@@ -27,6 +27,7 @@ from semblend_sglang.request_settings import RequestSettings
 
 from . import attention, one_pass
 from .donor_kv import DonorKV
+from .engine_facts import EngineFacts
 from .request_info import (
     eligible,
     namespace_for,
@@ -60,11 +61,34 @@ class RequestFlow:
         self.decided: set[str] = set()
         """Requests decided already (declined, failed, decided at arrival): not planned again
         until released."""
-        self.donors = DonorKV(runtime.provider, config, view.tree_match)
-        runtime.donor_snapshot = self.donors.snapshot
+        self.donors = DonorKV(runtime.provider, config, view)
+        self._engine = EngineFacts()
+        runtime.report_flow(self._snapshot_part)
         self.backend_ok: bool | None = None
         """Whether the model runner's attention backend runs a sparse extend (None until the
         first forward shows it)."""
+
+    # ----------------------------------------------------------------- start-up
+    def engine_started(self, facts: EngineFacts) -> None:
+        """What the scheduler's start-up learned (:func:`.scheduler_hooks.wrap_scheduler_init`,
+        once per scheduler; again only where a test or an unpatch takes the canary away)."""
+        self._engine = facts
+
+    @property
+    def engine(self) -> EngineFacts:
+        """The facts of the last :meth:`engine_started` (the defaults before it)."""
+        return self._engine
+
+    def _snapshot_part(self) -> dict[str, Any]:
+        """The donors' counters and ``kv_canary_recorded`` (forward batches and slots written
+        to SGLang's KV canary: :mod:`.kv_canary_record`), for the runtime's snapshot."""
+        canary = self._engine.canary
+        part = self.donors.snapshot()
+        part["kv_canary_recorded"] = {
+            "batches": 0 if canary is None else canary.batches,
+            "slots": 0 if canary is None else canary.slots,
+        }
+        return part
 
     # ----------------------------------------------------------------- 0. the guard
     def guarded(
@@ -180,14 +204,14 @@ class RequestFlow:
         prompt (its head's slots are checked at the copy); any other has the leading tokens the
         tree still holds, on the device or in host memory (SGLang's load-back brings those
         back). None where the version reads none: the copy finds evicted donors."""
-        cached_len, donors = self.view.cached_len, self.donors
-        if cached_len is None:
+        view, donors = self.view, self.donors
+        if not view.checks_donor_liveness:
             return None
 
         def alive(handle: Any, tokens: Any) -> int:
             if donors.holds(cache, handle):
                 return len(tokens)
-            return cached_len(cache, tokens, namespace)
+            return view.cached_len(cache, tokens, namespace)
 
         return alive
 
@@ -224,7 +248,7 @@ class RequestFlow:
         layers take the hook. While no model is known (the cache without an engine) such a
         strategy recomputes nothing; where the model refused the hook its plans are declined
         (``unsupported_model``, :meth:`prepare_extend`)."""
-        return state.checks_at_layer and self.runtime.layer_check is True
+        return state.checks_at_layer and self._engine.layer_check is True
 
     def opt_out(self, rid: str) -> None:
         """Request ``rid`` asked for no semantic reuse: decided as ``declined:opted_out`` once
@@ -248,7 +272,7 @@ class RequestFlow:
         spec = self.rope_spec()
         for state in states.values():
             refused = None if spec is not None else Reason.UNSUPPORTED_CACHE
-            if runtime.layer_check is False and state.checks_at_layer:
+            if self._engine.layer_check is False and state.checks_at_layer:
                 refused = Reason.UNSUPPORTED_MODEL
             if refused is not None and state.open and not state.reused_any:
                 self.decline(state.rid, refused)
@@ -260,11 +284,11 @@ class RequestFlow:
             batch,
             {rid: s for rid, s in states.items() if rid in self.requests},
             self.view,
-            self.donors.match,
+            self.donors,
             spec,
             peers,
-            runtime.layer_check is True,
-            runtime.forward_stream,
+            self._engine.layer_check is True,
+            self._engine.forward_stream,
         )
         try:
             result = one_pass.load_batch_spans(params)
@@ -313,10 +337,10 @@ class RequestFlow:
         its KV is copied, no normal path is left (:mod:`.adapter`)."""
         if self.backend_ok is None:
             self.guarded("backend", None, None, self._check_backend, model_runner)
-        canary = self.runtime.canary  # sglang's KV canary (kv_canary_record.py)
+        canary = self._engine.canary  # sglang's KV canary (kv_canary_record.py)
         if canary is not None:
             self.guarded("kv_canary", None, None, canary.note, batch, forward_batch)
-        hook = self.runtime.check_hook
+        hook = self._engine.check_hook
         reuse = one_pass.batch_reuse(batch)
         if reuse is None:
             return

@@ -64,47 +64,50 @@ class SemblendRuntime:
     """
 
     def __init__(self, config: Config, *, registry: Any = None) -> None:
-        self.config = config
-        self.provider = SemanticProvider(
+        self._config = config
+        self._provider = SemanticProvider(
             config, None, registry=registry, detokenize=self.detokenize
         )
         self._rope_spec: RopeSpec | None = None
         self._rope_error: str | None = None
         self._failures = OnceLog(logger)
         self._tokenizer: Any = None
-        self.donor_snapshot: Callable[[], dict[str, Any]] = dict
-        """The donor KV's counters for :meth:`snapshot` (set by the flow that owns them)."""
-        self.recompute = RecomputeCounts()
-        self.by_settings: dict[str, dict[str, int]] = {}
+        self._flow_part: Callable[[], dict[str, Any]] = dict
+        self._recompute = RecomputeCounts()
+        self._by_settings: dict[str, dict[str, int]] = {}
         """:data:`SETTINGS_COUNTERS` per settings label (:meth:`count_settings`)."""
-        self.passage_orders: dict[str, int] = dict.fromkeys(PASSAGE_OUTCOMES, 0)
+        self._passage_orders: dict[str, int] = dict.fromkeys(PASSAGE_OUTCOMES, 0)
         """Requests that declared passages, by :data:`PASSAGE_OUTCOMES`, and
         ``held_tokens``: the passage tokens the chosen orders put behind an exact prefix."""
-        self.passage_orders["held_tokens"] = 0
-        self.layer_check: bool | None = None
-        """Whether the served model's layers take the check-layer recompute (set at scheduler
-        start by :mod:`.check_layer`); None while no model is known (an engine-less cache)."""
-        self.check_hook: Any = None
-        """The :class:`.check_layer.LayerHook` of the served model, when installed."""
-        self.refused: tuple[str, ...] = ()
+        self._passage_orders["held_tokens"] = 0
+        self._refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
-        self.reuse_off: tuple[str, ...] = ()
+        self._reuse_off: tuple[str, ...] = ()
         """Every reason known at start-up why no request of this scheduler will reuse KV (the
         refused options, an attention backend that declines every plan): :meth:`note_reuse_off`;
         ``reuse_off`` of the snapshot."""
-        self.forward_stream: Any = None
-        """The device stream the engine's forward runs on (the scheduler's, set at its start;
-        None on CPU or before): the K/V copy is ordered after it (:mod:`.one_pass`)."""
-        self.canary: Any = None
-        """The :class:`.kv_canary_record.CanaryRecorder` when the model runner has SGLang's KV
-        canary (set at scheduler start; None otherwise)."""
+
+    @property
+    def config(self) -> Config:
+        """The server's settings (fixed at construction)."""
+        return self._config
+
+    @property
+    def provider(self) -> SemanticProvider:
+        """The process's one :class:`~semblend_sglang.provider.SemanticProvider`."""
+        return self._provider
 
     # ----------------------------------------------------------------- start-up
+    def report_flow(self, part: Callable[[], dict[str, Any]]) -> None:
+        """The request flow that owns this runtime adds ``part()`` (its donors' and the KV
+        canary's counters) to every :meth:`snapshot`; called once, by its constructor."""
+        self._flow_part = part
+
     def refuse(self, options: list[str]) -> None:
         """The server runs with ``options`` that semantic reuse does not support: log them once
         (one line) and stay out of every request from now on (no lookup, no donor)."""
-        self.refused = tuple(options)
-        self.reuse_off += tuple(options)
+        self._refused = tuple(options)
+        self._reuse_off += tuple(options)
         logger.warning(
             "semblend: semantic reuse is off in this scheduler; unsupported server options: %s",
             "; ".join(options),
@@ -113,78 +116,73 @@ class SemblendRuntime:
     def note_reuse_off(self, reason: str) -> None:
         """Record a start-up ``reason`` why no plan of this scheduler can be served (its caller
         has logged it once); requests are still looked up and declined with their reason."""
-        if reason not in self.reuse_off:
-            self.reuse_off += (reason,)
+        if reason not in self._reuse_off:
+            self._reuse_off += (reason,)
 
     @property
     def active(self) -> bool:
         """True unless :meth:`refuse` turned reuse off."""
-        return not self.refused
+        return not self._refused
 
     def snapshot(self) -> dict[str, Any]:
         """The provider's snapshot plus ``unsupported_options`` (what :meth:`refuse` named),
-        ``reuse_off`` (every start-up reason reuse cannot happen here), the donor KV's counters,
-        ``sparse_extend_batches`` (batches holding a sparse request, by attention path),
-        ``passage_orders`` (:attr:`passage_orders`) and ``kv_canary_recorded`` (forward batches
-        and slots written to SGLang's KV canary: :mod:`.kv_canary_record`)."""
-        snap = self.provider.snapshot()
-        snap["unsupported_options"] = list(self.refused)
-        snap["reuse_off"] = list(self.reuse_off)
-        snap.update(self.donor_snapshot())
-        snap["recompute_checks"] = self.recompute.checks
-        snap["recompute_gated"] = self.recompute.gated
-        snap["recompute_rechecks"] = self.recompute.rechecks
-        snap["recompute_residual_deviation_sum"] = self.recompute.residual_deviation_sum
-        snap["by_settings"] = {label: dict(c) for label, c in sorted(self.by_settings.items())}
-        snap["passage_orders"] = dict(self.passage_orders)
+        ``reuse_off`` (every start-up reason reuse cannot happen here), what the flow reports
+        (:meth:`report_flow`: the donor KV's counters and ``kv_canary_recorded``),
+        ``sparse_extend_batches`` (batches holding a sparse request, by attention path) and
+        ``passage_orders`` (:meth:`count_passage_order`)."""
+        snap = self._provider.snapshot()
+        snap["unsupported_options"] = list(self._refused)
+        snap["reuse_off"] = list(self._reuse_off)
+        snap.update(self._flow_part())
+        snap["recompute_checks"] = self._recompute.checks
+        snap["recompute_gated"] = self._recompute.gated
+        snap["recompute_rechecks"] = self._recompute.rechecks
+        snap["recompute_residual_deviation_sum"] = self._recompute.residual_deviation_sum
+        snap["by_settings"] = {label: dict(c) for label, c in sorted(self._by_settings.items())}
+        snap["passage_orders"] = dict(self._passage_orders)
         snap["sparse_extend_batches"] = sparse_batch_counts()
-        canary = self.canary
-        snap["kv_canary_recorded"] = {
-            "batches": 0 if canary is None else canary.batches,
-            "slots": 0 if canary is None else canary.slots,
-        }
         return snap
 
     # ----------------------------------------------------------------- lookups and outcomes
     def lookup(self, params: LookupParams) -> Decision:
         """The provider's decision for one request (:meth:`SemanticProvider.lookup`)."""
-        return self.provider.lookup(params)
+        return self._provider.lookup(params)
 
     def count_settings(self, label: str, counter: str, amount: int = 1) -> None:
         """Add ``amount`` to ``counter`` (one of :data:`SETTINGS_COUNTERS`) of the requests
         served with settings ``label``."""
-        counts = self.by_settings.setdefault(label, dict.fromkeys(SETTINGS_COUNTERS, 0))
+        counts = self._by_settings.setdefault(label, dict.fromkeys(SETTINGS_COUNTERS, 0))
         counts[counter] += amount
 
     def count_passage_order(self, outcome: str, held_tokens: int = 0) -> None:
         """One request's passages got ``outcome`` (one of :data:`PASSAGE_OUTCOMES`), its chosen
         order putting ``held_tokens`` passage tokens behind an exact prefix."""
-        self.passage_orders[outcome] += 1
-        self.passage_orders["held_tokens"] += held_tokens
+        self._passage_orders[outcome] += 1
+        self._passage_orders["held_tokens"] += held_tokens
 
     def observe_copy(self, seconds: float) -> None:
         """One prefill batch's donor K/V copy took ``seconds`` (device work included)."""
-        self.provider.telemetry.observe_copy(seconds)
+        self._provider.telemetry.observe_copy(seconds)
 
     def count_recomputed(self, tokens: int) -> None:
         """``tokens`` reused positions were recomputed (span heads, or at a check layer)."""
-        self.provider.telemetry.observe_recomputed(tokens)
+        self._provider.telemetry.observe_recomputed(tokens)
 
     def count_check(self, outcome: CheckOutcome) -> None:
         """A check layer chose ``outcome`` for one chunk of a request."""
         self.count_recomputed(outcome.recomputed)
-        self.recompute.checks += 1
-        self.recompute.gated += int(outcome.gated)
-        self.recompute.rechecks += int(outcome.rechecked)
-        self.recompute.residual_deviation_sum += outcome.residual
+        self._recompute.checks += 1
+        self._recompute.gated += int(outcome.gated)
+        self._recompute.rechecks += int(outcome.rechecked)
+        self._recompute.residual_deviation_sum += outcome.residual
 
     def observe_hook(self, seconds: float) -> None:
         """An engine hook took ``seconds``."""
-        self.provider.telemetry.observe_hook(seconds)
+        self._provider.telemetry.observe_hook(seconds)
 
     def record_error(self, where: str) -> None:
         """Count an error at ``where`` that is no request's outcome."""
-        self.provider.telemetry.record_error(where)
+        self._provider.telemetry.record_error(where)
 
     def log_failure(self, where: str, exc: BaseException) -> None:
         """Log an error of the semantic path, once per ``where`` and exception type."""

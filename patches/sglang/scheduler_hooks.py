@@ -11,6 +11,7 @@ from typing import Any
 
 from . import check_install, kv_canary_record
 from .attention import served_attention_refusal, set_sparse_path
+from .engine_facts import EngineFacts
 from .http_routes import CONFIG_KEY, STATE_KEY
 from .request_flow import RequestFlow
 from .server_options import engine_hf_config, unsupported_options
@@ -91,35 +92,43 @@ def wrap_scheduler_init(original: Callable[..., Any], flow: RequestFlow) -> Any:
     config (:meth:`SemblendRuntime.use_model_config`) and the model's layers are wrapped for a
     check-layer recompute, whatever the server's strategy (:func:`.check_install.install`),
     and, where sglang installed its KV canary, the canary records copied slots
-    (:func:`.kv_canary_record.install`).
-    The scheduler's forward stream is handed to the runtime in both cases (the copy waits for
-    it)."""
-    runtime = flow.runtime
+    (:func:`.kv_canary_record.install`). What it learned goes to the flow once
+    (:meth:`.request_flow.RequestFlow.engine_started`); the scheduler's forward stream in both
+    cases (the copy waits for it). A hook that fails to install is counted and logged once:
+    the model is then taken as refusing the check layer."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        runtime.forward_stream = getattr(self, "forward_stream", None)
-        server_args = getattr(self, "server_args", None)
-        model_config = getattr(self, "model_config", None)
-        refused = flow.guarded(
-            "startup",
-            None,
-            [],
-            lambda: unsupported_options(server_args, model_config, paged=flow.view.paged),
-        )
-        if refused:
-            runtime.refuse(refused)
-            return
-        backend_refusal = flow.guarded("startup", None, None, served_attention_refusal)
-        if backend_refusal is not None:
-            runtime.note_reuse_off(backend_refusal)
-        flow.guarded("startup", None, None, set_sparse_path, runtime.config.sparse_path)
-        hf_config = engine_hf_config(model_config)
-        if hf_config is not None:
-            flow.guarded("startup", None, None, runtime.use_model_config, hf_config)
-        runner = check_install.model_runner_of(self)
-        if runner is not None:
-            flow.guarded("startup", None, None, check_install.install, flow, runner)
-            flow.guarded("startup", None, None, kv_canary_record.install, flow, runner)
+        flow.engine_started(_start_up(self, flow))
 
     return __init__
+
+
+def _start_up(scheduler: Any, flow: RequestFlow) -> EngineFacts:
+    """:func:`wrap_scheduler_init`'s work on a built ``scheduler``; every step guarded."""
+    runtime = flow.runtime
+    stream = getattr(scheduler, "forward_stream", None)
+    server_args = getattr(scheduler, "server_args", None)
+    model_config = getattr(scheduler, "model_config", None)
+    refused = flow.guarded(
+        "startup",
+        None,
+        [],
+        lambda: unsupported_options(server_args, model_config, paged=flow.view.paged),
+    )
+    if refused:
+        runtime.refuse(refused)
+        return EngineFacts(forward_stream=stream)
+    backend_refusal = flow.guarded("startup", None, None, served_attention_refusal)
+    if backend_refusal is not None:
+        runtime.note_reuse_off(backend_refusal)
+    flow.guarded("startup", None, None, set_sparse_path, runtime.config.sparse_path)
+    hf_config = engine_hf_config(model_config)
+    if hf_config is not None:
+        flow.guarded("startup", None, None, runtime.use_model_config, hf_config)
+    runner = check_install.model_runner_of(scheduler)
+    if runner is None:
+        return EngineFacts(forward_stream=stream)
+    hook = flow.guarded("startup", None, None, check_install.install, flow, runner)
+    canary = flow.guarded("startup", None, None, kv_canary_record.install, flow, runner)
+    return EngineFacts(stream, hook is not None, hook, canary)

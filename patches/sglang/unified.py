@@ -34,7 +34,7 @@ from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
 from .split_view import graph_can_carry
 from .substitute import substitute_request
-from .version_view import TreeMatch, TreeMatchParams, VersionView
+from .version_view import TreeMatch, TreeMatchParams
 from .wrapping import Wrappers
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 class UnifiedRadixCacheAdapter(SglangAdapter):
     """Hooks for sglang 0.5.22+ (``UnifiedRadixCache``; Rust or Python tree core): a table of
-    wrappers that call :class:`~.request_flow.RequestFlow`, and this version's
-    :class:`~.version_view.VersionView` (the tree's ``tree_core`` read for a match's slots)."""
+    wrappers that call :class:`~.request_flow.RequestFlow`, which reads this version through
+    :class:`UnifiedView`."""
 
     name = "unified-radix-cache"
     # Not 0.5.21: its UnifiedRadixCache has no ``checkpoint()`` (a finished request is inserted by
@@ -53,16 +53,7 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
     supported = SpecifierSet(">=0.5.22,<0.6")
 
     def __init__(self, config: Config) -> None:
-        view = VersionView(
-            row_of=lambda req: int(req.kv.req_pool_idx),
-            extend_end=lambda req: int(req.extend_end),
-            lock=lambda cache, node: cache.lock(node),
-            unlock=lambda cache, receipt: cache.unlock(receipt),
-            tree_match=self._tree_match,
-            cached_len=_cached_len,
-            peers=rank_agreement.attention_peers,
-        )
-        super().__init__(config, RequestFlow(config, SemblendRuntime(config), view))
+        super().__init__(config, RequestFlow(config, SemblendRuntime(config), UnifiedView()))
 
     # ----------------------------------------------------------------- the hook table
     def hook_table(self) -> HookTable:
@@ -217,8 +208,63 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
         }
         return HookTable(wrappers, triton_attention=True)
 
-    # ----------------------------------------------------------------- the view
-    def _tree_match(self, params: TreeMatchParams) -> TreeMatch:
+    # ----------------------------------------------------------------- passage order
+    def _reorder(self, scheduler: Any, req: Any) -> None:
+        """A request's declared passages put in order at arrival
+        (:func:`.passage_order.reorder_request`) on a ``UnifiedRadixCache``."""
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        cache = getattr(scheduler, "tree_cache", None)
+        if not isinstance(cache, UnifiedRadixCache) or cache.disable:
+            return
+        reorder_request(
+            self.flow, req, lambda t, ns: _cached_len(cache, t, ns), int(cache.page_size)
+        )
+
+    # ----------------------------------------------------------------- substitute mode
+    def _substitute(self, scheduler: Any, req: Any) -> None:
+        """Substitute mode at arrival (:func:`.substitute.substitute_request`) on a
+        ``UnifiedRadixCache``."""
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        cache = getattr(scheduler, "tree_cache", None)
+        if not isinstance(cache, UnifiedRadixCache) or cache.disable:
+            return
+        substitute_request(
+            self.flow, scheduler, req, cache, lambda t, ns: _cached_len(cache, t, ns)
+        )
+
+
+class UnifiedView:
+    """sglang 0.5.22+'s :class:`~.version_view.VersionView` (``req.kv.req_pool_idx``,
+    ``req.extend_end``, the tree's ``lock`` / ``unlock`` receipts, ``tree_core`` read for a
+    match's slots). Built by :class:`UnifiedRadixCacheAdapter`; only reads."""
+
+    paged = True
+    checks_donor_liveness = True
+
+    def row_of(self, req: Any) -> int:
+        return int(req.kv.req_pool_idx)
+
+    def extend_end(self, req: Any) -> int:
+        return int(req.extend_end)
+
+    def lock(self, cache: Any, node: Any) -> Any:
+        return cache.lock(node)
+
+    def unlock(self, cache: Any, receipt: Any) -> None:
+        cache.unlock(receipt)
+
+    def serves(self, cache: Any) -> bool:
+        return True  # only UnifiedRadixCache's methods are hooked
+
+    def cached_len(self, cache: Any, tokens: Any, namespace: Namespace) -> int:
+        return _cached_len(cache, tokens, namespace)
+
+    def peers(self, cache: Any) -> list[Any]:
+        return rank_agreement.attention_peers(cache)
+
+    def tree_match(self, params: TreeMatchParams) -> TreeMatch:
         """The tree's match of ``tokens[:end]``: the tree matches whole pages, so the pages that
         cover [0, end) are asked; the device slots are read off the last device node's path."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -245,32 +291,6 @@ class UnifiedRadixCacheAdapter(SglangAdapter):
     def _donor_match(cache: Any, params: Any, orig_match: Any) -> Any:
         """The original ``match_prefix`` of the donor's tokens (a seam for the host-tier test)."""
         return orig_match(cache, params)
-
-    # ----------------------------------------------------------------- passage order
-    def _reorder(self, scheduler: Any, req: Any) -> None:
-        """A request's declared passages put in order at arrival
-        (:func:`.passage_order.reorder_request`) on a ``UnifiedRadixCache``."""
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-        cache = getattr(scheduler, "tree_cache", None)
-        if not isinstance(cache, UnifiedRadixCache) or cache.disable:
-            return
-        reorder_request(
-            self.flow, req, lambda t, ns: _cached_len(cache, t, ns), int(cache.page_size)
-        )
-
-    # ----------------------------------------------------------------- substitute mode
-    def _substitute(self, scheduler: Any, req: Any) -> None:
-        """Substitute mode at arrival (:func:`.substitute.substitute_request`) on a
-        ``UnifiedRadixCache``."""
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-        cache = getattr(scheduler, "tree_cache", None)
-        if not isinstance(cache, UnifiedRadixCache) or cache.disable:
-            return
-        substitute_request(
-            self.flow, scheduler, req, cache, lambda t, ns: _cached_len(cache, t, ns)
-        )
 
 
 def prefill_graph_wrappers(runner: type, dp_attn: Any) -> Wrappers:

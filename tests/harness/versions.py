@@ -101,7 +101,8 @@ class UnifiedPart(VersionPart):
         return int(req.prefix_len)
 
     def fake_host_tier(self, monkeypatch: pytest.MonkeyPatch, adapter: Any) -> Callable[[], None]:
-        real = type(adapter)._donor_match
+        view = adapter.flow.view
+        real = type(view)._donor_match
 
         def host_resident(cache: Any, params: Any, orig_match: Any) -> Any:
             found = real(cache, params, orig_match)
@@ -110,8 +111,8 @@ class UnifiedPart(VersionPart):
                 device_prefix_len=int(found.device_prefix_len) - moved, host_hit_length=moved
             )
 
-        monkeypatch.setattr(adapter, "_donor_match", host_resident)
-        return lambda: monkeypatch.setattr(adapter, "_donor_match", real)
+        monkeypatch.setattr(view, "_donor_match", host_resident)
+        return lambda: monkeypatch.setattr(view, "_donor_match", real)
 
     def hooked_methods(self) -> list[tuple[type, str]]:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -153,7 +154,8 @@ class LegacyPart(VersionPart):
         return int(req.cached_tokens)
 
     def fake_host_tier(self, monkeypatch: pytest.MonkeyPatch, adapter: Any) -> Callable[[], None]:
-        real = type(adapter)._donor_match
+        view_cls = type(adapter.flow.view)
+        real = view_cls._donor_match
 
         def host_resident(self: Any, cache: Any, params: Any) -> Any:
             found = real(self, cache, params)
@@ -163,8 +165,8 @@ class LegacyPart(VersionPart):
                 device_indices=found.device_indices[: on_device - moved], host_hit_length=moved
             )
 
-        monkeypatch.setattr(type(adapter), "_donor_match", host_resident)
-        return lambda: monkeypatch.setattr(type(adapter), "_donor_match", real)
+        monkeypatch.setattr(view_cls, "_donor_match", host_resident)
+        return lambda: monkeypatch.setattr(view_cls, "_donor_match", real)
 
     def hooked_methods(self) -> list[tuple[type, str]]:
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
