@@ -5,6 +5,10 @@ and no request is looked up (and ``/semblend/snapshot`` needs ``--admin-api-key`
 set, as SGLang's admin endpoints do); a bad ``SEMBLEND_*`` value stops the server at start
 naming the key.
 
+The two option servers are started together, the first handed a taken port: the test of a
+start on a taken port reads that start, and the option tests use the servers it left healthy
+(two real starts fewer than a start per test).
+
 SGLang checks its pools when idle and raises on a leak (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE,
 on by default): a server still healthy after idling is one whose invariants held.
 """
@@ -15,14 +19,16 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from semblend_sglang.server import ServerError, ServerSpec, SglangServer, free_port
-from tests.harness.server import generate, healthy_server, taken_port
+from tests.harness.server import generate, taken_port
 
 pytestmark = pytest.mark.e2e
 
@@ -62,17 +68,76 @@ def _healthy_after_idle(server: SglangServer) -> None:
         assert resp.status == 200
 
 
-@pytest.fixture(scope="module")
-def unchunked(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    log = tmp_path_factory.mktemp("unchunked") / "server.log"
+UNCHUNKED_ARGS = [
+    "--chunked-prefill-size", "-1",
     # SGLang's CPU memory rule leaves nothing for KV with chunked prefill off unless the
     # fraction is given (the issue's reproduction passed 0.8); the pool is bounded in tokens
-    args = ["--chunked-prefill-size", "-1", "--mem-fraction-static", "0.8"]
-    args += ["--max-total-tokens", "32768"]
-    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
-        yield srv
+    "--mem-fraction-static", "0.8", "--max-total-tokens", "32768",
+]  # fmt: skip
+NO_RADIX_ARGS = ["--disable-radix-cache", "--admin-api-key", ADMIN_KEY]
+
+
+@contextmanager
+def recording_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[SglangServer]]:
+    """Every server ``semblend_sglang.server.start_healthy`` starts inside the block, in order:
+    its ``start_server`` is wrapped to record them."""
+    import semblend_sglang.server as server_module
+
+    recorded: list[SglangServer] = []
+    real_start: Callable[..., SglangServer] = server_module.start_server
+
+    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
+        recorded.append(real_start(*args, **kw))
+        return recorded[-1]
+
+    monkeypatch.setattr(server_module, "start_server", recorded_start)
+    yield recorded
+
+
+@dataclass(frozen=True)
+class OptionServers:
+    """The module's two servers as ``start_healthy`` returned them, with every start it made
+    (``started``) and the ports it was handed (``handed``: the taken one first)."""
+
+    unchunked: SglangServer
+    no_radix: SglangServer
+    no_radix_log: Path
+    started: list[SglangServer]
+    handed: list[int]
+
+
+@pytest.fixture(scope="module")
+def option_servers(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OptionServers]:
+    """The unchunked server (:data:`UNCHUNKED_ARGS`) and the no-radix one (:data:`NO_RADIX_ARGS`),
+    started together by ``start_healthy`` with the first handed a taken port: it is stopped on
+    PortInUseError from its log and started again on another port (each wait is cut to 120 s,
+    so a start that waited it out raises ServerError). Three starts, two servers kept."""
+    import semblend_sglang.server as server_module
+
+    logs = tmp_path_factory.mktemp("option-servers")
+    env = {"SEMBLEND_ENABLED": "1"}
+    specs = [
+        ServerSpec(smollm2_model_dir, UNCHUNKED_ARGS, env=env, log_path=logs / "unchunked.log"),
+        ServerSpec(smollm2_model_dir, NO_RADIX_ARGS, env=env, log_path=logs / "no-radix.log"),
+    ]
+    with taken_port() as taken, pytest.MonkeyPatch.context() as monkeypatch:
+        handed = [taken, free_port(), free_port()]
+        ports = iter(handed)
+        monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(ports))
+        with recording_starts(monkeypatch) as started:
+            unchunked, no_radix = server_module.start_healthy(specs, timeout=120.0)
+    try:
+        yield OptionServers(unchunked, no_radix, logs / "no-radix.log", started, handed)
+    finally:
+        unchunked.stop()
+        no_radix.stop()
+
+
+@pytest.fixture(scope="module")
+def unchunked(option_servers: OptionServers) -> SglangServer:
+    return option_servers.unchunked
 
 
 def test_chunked_prefill_off_serves_a_semantic_hit_like_cold(
@@ -95,48 +160,35 @@ def test_chunked_prefill_off_serves_a_semantic_hit_like_cold(
 
 
 def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
-    smollm2_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    prompts: tuple[list[int], list[int]],
+    option_servers: OptionServers, prompts: tuple[list[int], list[int]]
 ) -> None:
-    log = tmp_path_factory.mktemp("no-radix") / "server.log"
-    args = ["--disable-radix-cache", "--admin-api-key", ADMIN_KEY]
-    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
-        for ids in prompts:
-            answer = generate(srv.url, ids, 4)
-            assert answer["meta_info"]["completion_tokens"] == 4
-        # the snapshot follows SGLang's admin rule: with --admin-api-key it needs the key
-        with pytest.raises(urllib.error.HTTPError) as denied:
-            _rank(srv.url)
-        assert denied.value.code == 401
-        rank = _rank(srv.url, ADMIN_KEY)
-        assert rank["lookups"] == 0 and rank["donors"] == 0, rank
-        assert rank["unsupported_options"][0].startswith("--disable-radix-cache"), rank
-        assert rank["reuse_off"] == rank["unsupported_options"], rank
-        request = urllib.request.Request(srv.url + "/semblend/snapshot")
-        request.add_header("Authorization", f"Bearer {ADMIN_KEY}")
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            assert json.loads(resp.read().decode())["reuse_off"] == rank["reuse_off"]
-        text = log.read_text(errors="replace")
-        assert text.count("unsupported server options: --disable-radix-cache") == 1
-        _healthy_after_idle(srv)
+    srv = option_servers.no_radix
+    for ids in prompts:
+        answer = generate(srv.url, ids, 4)
+        assert answer["meta_info"]["completion_tokens"] == 4
+    # the snapshot follows SGLang's admin rule: with --admin-api-key it needs the key
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        _rank(srv.url)
+    assert denied.value.code == 401
+    rank = _rank(srv.url, ADMIN_KEY)
+    assert rank["lookups"] == 0 and rank["donors"] == 0, rank
+    assert rank["unsupported_options"][0].startswith("--disable-radix-cache"), rank
+    assert rank["reuse_off"] == rank["unsupported_options"], rank
+    request = urllib.request.Request(srv.url + "/semblend/snapshot")
+    request.add_header("Authorization", f"Bearer {ADMIN_KEY}")
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert json.loads(resp.read().decode())["reuse_off"] == rank["reuse_off"]
+    text = option_servers.no_radix_log.read_text(errors="replace")
+    assert text.count("unsupported server options: --disable-radix-cache") == 1
+    _healthy_after_idle(srv)
 
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[SglangServer]:
-    """Every server ``semblend_sglang.server.start_healthy`` starts during the test, in order:
-    its ``start_server`` is wrapped to record them."""
-    import semblend_sglang.server as server_module
-
-    recorded: list[SglangServer] = []
-    real_start = server_module.start_server
-
-    def recorded_start(*args: Any, **kw: Any) -> SglangServer:
-        recorded.append(real_start(*args, **kw))
-        return recorded[-1]
-
-    monkeypatch.setattr(server_module, "start_server", recorded_start)
-    return recorded
+def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[SglangServer]]:
+    """Every server ``start_healthy`` starts during the test, in order
+    (:func:`recording_starts`)."""
+    with recording_starts(monkeypatch) as recorded:
+        yield recorded
 
 
 def test_a_bad_setting_stops_the_server_at_start_naming_the_key_and_its_peer_is_stopped(
@@ -159,34 +211,16 @@ def test_a_bad_setting_stops_the_server_at_start_naming_the_key_and_its_peer_is_
 
 
 def test_a_taken_port_fails_fast_and_only_its_server_starts_again_on_another(
-    smollm2_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    monkeypatch: pytest.MonkeyPatch,
-    started: list[SglangServer],
+    option_servers: OptionServers,
 ) -> None:
-    """Two servers started together, the first handed a taken port: start_healthy stops it on
-    PortInUseError from its log (each wait is cut to 120 s, so a start that waited it out would
-    raise ServerError and fail the test) and starts it again on another port; the second, on
-    its own port, is started once and kept. Three starts; both serve."""
-    import semblend_sglang.server as server_module
-
-    logs = tmp_path_factory.mktemp("port-taken")
-    with taken_port() as taken:
-        fresh = [free_port(), free_port()]
-        handed = iter([taken, *fresh])
-        monkeypatch.setattr(server_module, "free_port", lambda host="127.0.0.1": next(handed))
-        specs = [
-            ServerSpec(smollm2_model_dir, env={"SEMBLEND_ENABLED": "1"}, log_path=logs / f"{i}.log")
-            for i in range(2)
-        ]
-        servers = server_module.start_healthy(specs, timeout=120.0)
-        try:
-            assert [s.url.rsplit(":", 1)[1] for s in started] == [str(p) for p in (taken, *fresh)]
-            assert [s.url for s in servers] == [started[2].url, started[1].url]
-            assert not started[0].alive(), "the start on the taken port was not stopped"
-            for server in servers:
-                answer = generate(server.url, [1, 2, 3, 4], 2)
-                assert answer["meta_info"]["completion_tokens"] == 2
-        finally:
-            for server in servers:
-                server.stop()
+    """Two servers started together, the first handed a taken port (:func:`option_servers`):
+    start_healthy stopped it on PortInUseError and started it again on the next port; the
+    second, on its own port, was started once and kept. Three starts; both serve."""
+    started, handed = option_servers.started, option_servers.handed
+    assert [s.url.rsplit(":", 1)[1] for s in started] == [str(p) for p in handed]
+    servers = [option_servers.unchunked, option_servers.no_radix]
+    assert [s.url for s in servers] == [started[2].url, started[1].url]
+    assert not started[0].alive(), "the start on the taken port was not stopped"
+    for server in servers:
+        answer = generate(server.url, [1, 2, 3, 4], 2)
+        assert answer["meta_info"]["completion_tokens"] == 2
