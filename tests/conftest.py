@@ -135,7 +135,8 @@ def semblend_server(
     request's slots, and a violation stops the server, so every test on it fails loudly),
     shared by the end-to-end modules that need no launch argument of their own: a start costs
     40-50 s on 2 cores. Its tests read counters as differences and use their own cache salts,
-    so their order does not matter. Stopped at the end of the session."""
+    so their order does not matter (test_e2e_kv_canary.py empties its cache first: its hits
+    need a pool that is not full). Stopped at the end of the session."""
     from tests.harness.server import healthy_server
 
     log = tmp_path_factory.mktemp("semblend-server") / "server.log"
