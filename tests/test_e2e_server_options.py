@@ -101,7 +101,6 @@ class OptionServers:
 
     unchunked: SglangServer
     no_radix: SglangServer
-    no_radix_log: Path
     started: list[SglangServer]
     handed: list[int]
 
@@ -129,7 +128,7 @@ def option_servers(
         with recording_starts(monkeypatch) as started:
             unchunked, no_radix = server_module.start_healthy(specs, timeout=120.0)
     try:
-        yield OptionServers(unchunked, no_radix, logs / "no-radix.log", started, handed)
+        yield OptionServers(unchunked, no_radix, started, handed)
     finally:
         unchunked.stop()
         no_radix.stop()
@@ -178,7 +177,8 @@ def test_disabled_radix_cache_is_named_at_start_and_nothing_is_looked_up(
     request.add_header("Authorization", f"Bearer {ADMIN_KEY}")
     with urllib.request.urlopen(request, timeout=60) as resp:
         assert json.loads(resp.read().decode())["reuse_off"] == rank["reuse_off"]
-    text = option_servers.no_radix_log.read_text(errors="replace")
+    assert srv.log_path is not None
+    text = srv.log_path.read_text(errors="replace")
     assert text.count("unsupported server options: --disable-radix-cache") == 1
     _healthy_after_idle(srv)
 
