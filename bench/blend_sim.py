@@ -4,7 +4,7 @@ An offline float32 torch forward of a Llama or Qwen2 checkpoint (:class:`.LlamaR
 workload's probe cold, its donors, and then the probe as a recompute would: every position
 computed up to the check layer, after it only the gaps and the selected reused positions, the
 rest attending with their donor's RoPE-corrected K/V (:func:`blended_prefill`, the dense
-reference of ``patches/sglang/check_layer.py``). Per probe it prints, for each selection and
+reference of ``patches/sglang/flow/check_layer.py``). Per probe it prints, for each selection and
 ratio, the 32-token greedy agreement with cold:
 
 - ``deviation@c``: the top ratio of reused positions by relative K/V deviation at check layer

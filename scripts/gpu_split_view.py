@@ -6,7 +6,7 @@ on long sparse requests beside an exact hit computing as many tokens (the floor)
 Runs on the GPU machine from the repo root with .gpu/ carried, as built here by
 scripts/gpu_split_view_kit.sh: sglang 0.5.23's kernel files verbatim, import shims for the two
 sglang modules they import at load time (env flags off, CUDA probes), and copies of this repo's
-torch-only modules at their package paths (split_view.py, wrapping.py, sparse_extend.py,
+torch-only modules at their package paths (split_view.py, sparse_extend.py,
 sparse_extend_triton.py, tests/sparse_extend_batches.py). Writes $OUT/split_view_gpu.json;
 recorded in docs/perf.md ("Split view on a GPU").
 
@@ -27,7 +27,7 @@ from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  
 
 from semblend_sglang.kernels.sparse_extend import extend_attention_reference  # noqa: E402
 from semblend_sglang.kernels.sparse_extend_triton import build_sparse_extend_metadata  # noqa: E402
-from semblend_sglang.patches.sglang.split_view import split_sequences  # noqa: E402
+from semblend_sglang.patches.sglang.attention.split_view import split_sequences  # noqa: E402
 from tests.sparse_extend_batches import random_batch  # noqa: E402
 
 DEV = torch.device("cuda")

@@ -61,11 +61,12 @@ PY
 # This repository's torch-only modules, at their package paths (empty __init__ files: the real
 # ones import sglang); the check imports them as semblend_sglang.* and tests.*.
 pkg=$kit/site/semblend_sglang
-mkdir -p "$pkg/kernels" "$pkg/patches/sglang" "$kit/site/tests"
-for d in "$pkg" "$pkg/kernels" "$pkg/patches" "$pkg/patches/sglang" "$kit/site/tests"; do
+mkdir -p "$pkg/kernels" "$pkg/patches/sglang/attention" "$kit/site/tests"
+for d in "$pkg" "$pkg/kernels" "$pkg/patches" "$pkg/patches/sglang" "$pkg/patches/sglang/attention" \
+    "$kit/site/tests"; do
     touch "$d/__init__.py"
 done
 cp kernels/sparse_extend.py kernels/sparse_extend_triton.py "$pkg/kernels/"
-cp patches/sglang/split_view.py patches/sglang/wrapping.py "$pkg/patches/sglang/"
+cp patches/sglang/attention/split_view.py "$pkg/patches/sglang/attention/"
 cp tests/sparse_extend_batches.py "$kit/site/tests/"
 echo "built $kit ($(du -sh "$kit" | cut -f1))"

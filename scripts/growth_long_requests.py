@@ -58,7 +58,7 @@ def main(tokens: int, total: int, every: int, pool_tokens: int, json_path: Path 
     from semblend_sglang.config import Config
     from semblend_sglang.data import essay_texts
     from semblend_sglang.model_prep import prepare_model
-    from semblend_sglang.patches.sglang.held_donors import held_of
+    from semblend_sglang.patches.sglang.flow.held_donors import held_of
     from tests.harness import HarnessConfig, SglangCacheHarness
     from tests.harness.reuse import installed
 

@@ -6,7 +6,7 @@ fix: it remembers what was dispatched where and proposes the rank whose remember
 covers most of a new one, unless that rank is loaded more than
 ``dispatch_load_margin`` tokens above the least-loaded rank. It proposes; the engine's own method
 decides whenever it returns no rank. The SGLang controller hook that calls it lives in
-``semblend_sglang.patches.sglang.dp_dispatch``.
+``semblend_sglang.patches.sglang.engine.dp_dispatch``.
 
 Staleness rule (no eviction reports from the ranks): each rank has a token clock, the prompt
 tokens dispatched to it so far. A rank's KV pool holds ``capacity`` tokens and its radix cache

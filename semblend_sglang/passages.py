@@ -16,7 +16,7 @@ question) stay where they are. Without the key nothing is reordered.
 holds right after the request's own head, in the order the cache holds them (a resident
 request's order), then the others in the request's order. It only asks the cache how much of a
 prompt it holds, so every rank whose cache holds the same tree chooses the same order. Pure:
-the scheduler's arrival hook (:mod:`semblend_sglang.patches.sglang.passage_order`) calls it,
+the scheduler's arrival hook (:mod:`semblend_sglang.patches.sglang.flow.passage_order`) calls it,
 the request guard calls :func:`passages_error`.
 """
 

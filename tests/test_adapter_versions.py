@@ -7,8 +7,8 @@ import pytest
 from packaging.version import Version
 
 from semblend_sglang.patches.sglang import adapter_class_for, supported_versions
-from semblend_sglang.patches.sglang.legacy import LegacyRadixCacheAdapter
-from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang.engine.legacy import LegacyRadixCacheAdapter
+from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""patches.sglang.attention: sglang 0.5.23's real TorchNativeAttnBackend.forward_extend with the
-hooks, against its own unhooked path (ordinary batches) and the dense reference (sparse ones,
-through the split view or the CPU query-only extend); the fallbacks, install/remove,
-sparse_extend_supported and the CPU plugin switch."""
+"""The torch_native hooks (patches/sglang/attention/): sglang 0.5.23's real
+TorchNativeAttnBackend.forward_extend with the hooks, against its own unhooked path (ordinary
+batches) and the dense reference (sparse ones, through the split view or the CPU query-only extend);
+the fallbacks, install/remove, sparse_extend_supported and the CPU plugin switch."""
 
 from __future__ import annotations
 
@@ -24,11 +24,9 @@ from sglang.srt.layers.attention.torch_native_backend import (  # noqa: E402
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
-from semblend_sglang.patches.sglang import attention, attention_torch_native  # noqa: E402
-from semblend_sglang.patches.sglang.split_view import (  # noqa: E402
-    SparseExtendUnsupported,
-    is_sparse_batch,
-)
+from semblend_sglang.patches.sglang.attention import backends, torch_native_backend  # noqa: E402
+from semblend_sglang.patches.sglang.attention.hook_kit import SparseExtendUnsupported  # noqa: E402
+from semblend_sglang.patches.sglang.attention.split_view import is_sparse_batch  # noqa: E402
 
 SHIPPED_FORWARD_EXTEND = TorchNativeAttnBackend.forward_extend
 SHIPPED_RUN_SDPA = TorchNativeAttnBackend._run_sdpa_forward_extend
@@ -36,9 +34,9 @@ SHIPPED_RUN_SDPA = TorchNativeAttnBackend._run_sdpa_forward_extend
 
 @pytest.fixture
 def hooks() -> Iterator[None]:
-    attention.install_attention_hooks(triton=False)
+    backends.install_attention_hooks(triton=False)
     yield
-    attention.remove_attention_hooks()
+    backends.remove_attention_hooks()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -47,7 +45,7 @@ def test_every_extend_equals_sglang_on_ordinary_batches(hooks: None, seed: int):
         seed, n_requests=4, heads=[(6, 2), (4, 4)][seed % 2], kinds=("cold", "exact")
     )
     shipped = forward(batch)  # hooks installed, every_extend off: sglang's own path
-    attention.set_query_only_every_extend(True)
+    backends.set_query_only_every_extend(True)
     torch.testing.assert_close(forward(batch), shipped, atol=ATOL, rtol=0)
     torch.testing.assert_close(shipped, reference(batch), atol=ATOL, rtol=0)
 
@@ -55,7 +53,7 @@ def test_every_extend_equals_sglang_on_ordinary_batches(hooks: None, seed: int):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("every_extend", [False, True])
 def test_sparse_batches_equal_the_reference(hooks: None, seed: int, every_extend: bool):
-    attention.set_query_only_every_extend(every_extend)
+    backends.set_query_only_every_extend(every_extend)
     batch = random_batch(seed, n_requests=5, heads=[(6, 2), (4, 4), (8, 1), (6, 3)][seed])
     assert is_sparse_batch(forward_batch(batch))
     torch.testing.assert_close(forward(batch), reference(batch), atol=ATOL, rtol=0)
@@ -67,12 +65,12 @@ def test_a_sparse_batch_runs_query_only_an_ordinary_one_sglangs_sdpa(
     """Without the query-only extend for every batch, a sparse batch (a few long runs or many
     short ones) runs the position-masked query-only extend on the real batch, counted once on
     that path; an ordinary batch reaches SGLang's SDPA loop as its own requests."""
-    from semblend_sglang.patches.sglang.split_view import sparse_batch_counts
+    from semblend_sglang.patches.sglang.attention.hook_kit import sparse_batch_counts
 
     seen: list[list[int]] = []
     masked: list[int] = []
     hooked = TorchNativeAttnBackend._run_sdpa_forward_extend
-    real_query_only = attention_torch_native.extend_attention_query_only
+    real_query_only = torch_native_backend.extend_attention_query_only
 
     def spy(self: Any, *args: Any, **kw: Any) -> Any:
         seen.append(args[6].tolist())  # seq_lens
@@ -83,7 +81,7 @@ def test_a_sparse_batch_runs_query_only_an_ordinary_one_sglangs_sdpa(
         return real_query_only(*args, **kw)
 
     monkeypatch.setattr(TorchNativeAttnBackend, "_run_sdpa_forward_extend", spy)
-    monkeypatch.setattr(attention_torch_native, "extend_attention_query_only", query_only_spy)
+    monkeypatch.setattr(torch_native_backend, "extend_attention_query_only", query_only_spy)
     counts = sparse_batch_counts()
     few = random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse_runs",) * 3)
     many = random_batch(3, n_requests=4, kinds=("sparse", "cold", "exact", "sparse_chunk"))
@@ -104,31 +102,31 @@ def test_ordinary_batches_keep_sglangs_path_unless_every_extend(
     hooks: None, monkeypatch: pytest.MonkeyPatch
 ):
     calls: list[int] = []
-    real = attention_torch_native.extend_attention_query_only
+    real = torch_native_backend.extend_attention_query_only
 
     def spy(*args: Any, **kw: Any) -> Any:
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(attention_torch_native, "extend_attention_query_only", spy)
+    monkeypatch.setattr(torch_native_backend, "extend_attention_query_only", spy)
     ordinary = random_batch(1, kinds=("cold", "exact"))
     forward(ordinary)
     assert calls == []
-    attention.set_query_only_every_extend(True)
+    backends.set_query_only_every_extend(True)
     forward(ordinary)
     assert calls == [1]
 
 
 @pytest.mark.parametrize("every_extend", [False, True])
 def test_unprovable_layers_keep_sglangs_path_or_refuse(hooks: None, every_extend: bool):
-    attention.set_query_only_every_extend(every_extend)
+    backends.set_query_only_every_extend(every_extend)
     ordinary = random_batch(2, kinds=("cold", "exact"))
     sparse = random_batch(2)
     # Sliding window: sglang's path for an ordinary batch (its own window mask), refused if sparse.
-    attention.remove_attention_hooks()
+    backends.remove_attention_hooks()
     shipped = forward(ordinary, sliding_window_size=5)
-    attention.install_attention_hooks(triton=False)
-    attention.set_query_only_every_extend(every_extend)
+    backends.install_attention_hooks(triton=False)
+    backends.set_query_only_every_extend(every_extend)
     torch.testing.assert_close(forward(ordinary, sliding_window_size=5), shipped, atol=0, rtol=0)
     with pytest.raises(SparseExtendUnsupported):
         forward(sparse, sliding_window_size=5)
@@ -146,18 +144,18 @@ def test_unprovable_layers_keep_sglangs_path_or_refuse(hooks: None, every_extend
 
 
 def test_install_and_remove_restore_sglangs_methods():
-    attention.install_attention_hooks()
+    backends.install_attention_hooks()
     try:
         assert TorchNativeAttnBackend.forward_extend is not SHIPPED_FORWARD_EXTEND
-        assert attention.hooks_installed("torch_native") and attention.hooks_installed("triton")
-        attention.install_attention_hooks()  # idempotent: wraps once
+        assert backends.hooks_installed("torch_native") and backends.hooks_installed("triton")
+        backends.install_attention_hooks()  # idempotent: wraps once
         assert TorchNativeAttnBackend.forward_extend.__wrapped__ is SHIPPED_FORWARD_EXTEND
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()
     assert TorchNativeAttnBackend.forward_extend is SHIPPED_FORWARD_EXTEND
     assert TorchNativeAttnBackend._run_sdpa_forward_extend is SHIPPED_RUN_SDPA
     assert "init_forward_metadata" in TritonAttnBackend.__dict__
-    assert not attention.hooks_installed("torch_native")
+    assert not backends.hooks_installed("torch_native")
 
 
 def test_sparse_extend_supported():
@@ -174,20 +172,20 @@ def test_sparse_extend_supported():
         ("use_sliding_window_kv_pool", False),
     ]:
         setattr(triton, name, value)
-    assert not attention.sparse_extend_supported(native)  # hooks not installed
-    attention.install_attention_hooks()
+    assert not backends.sparse_extend_supported(native)  # hooks not installed
+    backends.install_attention_hooks()
     try:
-        assert attention.sparse_extend_supported(native)
-        assert attention.sparse_extend_supported(triton)
+        assert backends.sparse_extend_supported(native)
+        assert backends.sparse_extend_supported(triton)
         triton.page_size = 16
-        assert attention.sparse_extend_supported(triton)
+        assert backends.sparse_extend_supported(triton)
         triton.use_mla = True
-        assert not attention.sparse_extend_supported(triton)
+        assert not backends.sparse_extend_supported(triton)
         native.use_sliding_window_kv_pool = True
-        assert not attention.sparse_extend_supported(native)
-        assert not attention.sparse_extend_supported(object())
+        assert not backends.sparse_extend_supported(native)
+        assert not backends.sparse_extend_supported(object())
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()
 
 
 @pytest.mark.parametrize(
@@ -211,8 +209,8 @@ def test_plugin_applies_the_cpu_switch_without_semblend_enabled(
         monkeypatch.setenv(key, value)
     try:
         load_plugin()
-        assert attention.hooks_installed("torch_native") is applied
-        assert attention_torch_native.query_only_every_extend() is applied
+        assert backends.hooks_installed("torch_native") is applied
+        assert torch_native_backend.query_only_every_extend() is applied
         assert installed_adapter() is None  # the radix-cache patch stays off
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()

@@ -1,9 +1,10 @@
-"""The contract every hooked attention backend keeps (patches/sglang/attention.py's registry),
-checked once per backend on a stand-in class with the backend's class name: its hooks wrap and
-restore its methods, an ordinary batch reaches SGLang's methods untouched, a sparse batch is
-refused under CUDA-graph metadata and on a configuration the common refusals or its own reject,
-and the backend lists are the registry's. What each backend does with a sparse batch is its own
-test file's (tests/test_sparse_extend_<name>.py, tests/test_attention_hooks.py)."""
+"""The contract every hooked attention backend keeps (the registry,
+patches/sglang/attention/backends.py), checked once per backend on a stand-in class with the
+backend's class name: its hooks wrap and restore its methods, an ordinary batch reaches SGLang's
+methods untouched, a sparse batch is refused under CUDA-graph metadata and on a configuration the
+common refusals or its own reject, and the backend lists are the registry's. What each backend does
+with a sparse batch is its own test file's (tests/test_sparse_extend_<name>.py,
+tests/test_attention_hooks.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from typing import Any
 import pytest
 
 from semblend_sglang.cpu_runtime import ensure_torchvision_importable
-from semblend_sglang.patches.sglang import attention
-from semblend_sglang.patches.sglang.split_view import SparseExtendUnsupported, SplitDifference
+from semblend_sglang.patches.sglang.attention import backends
+from semblend_sglang.patches.sglang.attention.hook_kit import (
+    SparseExtendUnsupported,
+    SplitDifference,
+)
 from semblend_sglang.patches.sglang.wrapping import install_wrappers, restore
 from tests.harness.attention_backend import forward_batch
 from tests.sparse_extend_batches import random_batch
@@ -22,10 +26,10 @@ from tests.sparse_extend_batches import random_batch
 pytest.importorskip("sglang")
 ensure_torchvision_importable()
 
-NAMES = sorted(attention.HOOKED_BACKENDS)
+NAMES = sorted(backends.HOOKED_BACKENDS)
 SPLIT = sorted(
     name
-    for name, entry in attention.HOOKED_BACKENDS.items()
+    for name, entry in backends.HOOKED_BACKENDS.items()
     if isinstance(entry.difference, SplitDifference)
 )
 COMMON = [
@@ -55,7 +59,7 @@ def _standin(name: str) -> type:
         "_forward_extend_kernel",
         "_run_sdpa_forward_extend",
     )
-    return type(attention.HOOKED_BACKENDS[name].cls, (), {m: record(m) for m in methods})
+    return type(backends.HOOKED_BACKENDS[name].cls, (), {m: record(m) for m in methods})
 
 
 def _instance(cls: type, **attrs: Any) -> Any:
@@ -67,18 +71,18 @@ def _instance(cls: type, **attrs: Any) -> Any:
 
 
 def test_the_backend_lists_are_the_registrys():
-    assert all(entry.name == name for name, entry in attention.HOOKED_BACKENDS.items())
-    assert set(attention.GPU_BACKENDS) == set(NAMES) - {"torch_native"}
-    assert not set(attention.UNSERVED_BACKENDS) & set(NAMES)
+    assert all(entry.name == name for name, entry in backends.HOOKED_BACKENDS.items())
+    assert set(backends.GPU_BACKENDS) == set(NAMES) - {"torch_native"}
+    assert not set(backends.UNSERVED_BACKENDS) & set(NAMES)
     for name in NAMES:
-        assert attention.backend_reuse_reason(name) is None
-    for name in attention.UNSERVED_BACKENDS:
-        assert name in str(attention.backend_reuse_reason(name))
+        assert backends.backend_reuse_reason(name) is None
+    for name in backends.UNSERVED_BACKENDS:
+        assert name in str(backends.backend_reuse_reason(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_hooks_wrap_and_restore_the_backends_methods(name: str):
-    entry = attention.HOOKED_BACKENDS[name]
+    entry = backends.HOOKED_BACKENDS[name]
     cls = _standin(name)
     shipped = dict(vars(cls))
     originals = install_wrappers(entry.wrappers(cls, lambda backend: True))
@@ -89,22 +93,22 @@ def test_hooks_wrap_and_restore_the_backends_methods(name: str):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_common_refusals_hold_for_every_backend(name: str):
-    entry = attention.HOOKED_BACKENDS[name]
+    entry = backends.HOOKED_BACKENDS[name]
     cls = _standin(name)
-    assert attention.backend_serves(entry, _instance(cls))
+    assert backends.backend_serves(entry, _instance(cls))
     for key, value in COMMON:
-        assert not attention.backend_serves(entry, _instance(cls, **{key: value})), key
-    attention.install_attention_hooks(triton=False, gpu_backends=())
+        assert not backends.backend_serves(entry, _instance(cls, **{key: value})), key
+    backends.install_attention_hooks(triton=False, gpu_backends=())
     try:
-        native = attention.sparse_extend_supported(_instance(cls))
+        native = backends.sparse_extend_supported(_instance(cls))
         assert native is (name == "torch_native")  # only installed hooks serve
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()
 
 
 @pytest.mark.parametrize("name", SPLIT)
 def test_split_view_wrappers_keep_ordinary_batches_and_refuse_what_they_cannot_carry(name: str):
-    entry = attention.HOOKED_BACKENDS[name]
+    entry = backends.HOOKED_BACKENDS[name]
     cls = _standin(name)
     install = install_wrappers(entry.wrappers(cls, lambda b: not getattr(b, "refused", False)))
     try:
@@ -131,7 +135,7 @@ def test_split_view_wrappers_keep_ordinary_batches_and_refuse_what_they_cannot_c
 def test_the_wrapped_methods_are_sglangs(name: str):
     """Each method a backend's hooks wrap is one its sglang class has (skipped where the class
     does not import on this machine)."""
-    entry = attention.HOOKED_BACKENDS[name]
+    entry = backends.HOOKED_BACKENDS[name]
     real = getattr(pytest.importorskip(entry.module), entry.cls)
     for _, attr in entry.wrappers(_standin(name), lambda backend: True):
         assert callable(getattr(real, attr, None)), attr

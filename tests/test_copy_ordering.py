@@ -1,4 +1,4 @@
-"""The K/V copy is ordered after the engine's forward stream (patches/sglang/one_pass.py).
+"""The K/V copy is ordered after the engine's forward stream (patches/sglang/flow/span_copy.py).
 
 With overlap scheduling on a GPU, SGLang prepares batch N+1 on its schedule stream while batch N's
 forward still runs on the forward stream: that forward may still be writing a donor's KV (a chunk
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from semblend_sglang.config import Config
-from semblend_sglang.patches.sglang import one_pass
-from semblend_sglang.patches.sglang.request_flow import RequestFlow
-from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
-from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang.engine.scheduler_hooks import wrap_scheduler_init
+from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang.flow import span_copy
+from semblend_sglang.patches.sglang.flow.request_flow import RequestFlow
 
 
 class _Stream:
@@ -37,10 +37,10 @@ def test_the_copy_waits_for_the_forward_stream_mock_cuda_streams(
 ) -> None:
     current, forward = _Stream(), _Stream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
-    one_pass.wait_for_forward(forward, torch.device("cuda", 0))
+    span_copy.wait_for_forward(forward, torch.device("cuda", 0))
     assert current.waited == [forward]
-    one_pass.wait_for_forward(None, torch.device("cuda", 0))
-    one_pass.wait_for_forward(current, torch.device("cuda", 0))  # already the current stream
+    span_copy.wait_for_forward(None, torch.device("cuda", 0))
+    span_copy.wait_for_forward(current, torch.device("cuda", 0))  # already the current stream
     assert current.waited == [forward]
 
 

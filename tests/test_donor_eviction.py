@@ -1,6 +1,6 @@
 """Donors are forgotten when SGLang evicts their KV, at the eviction
-(patches/sglang/donor_heads.py), not at the next lookup that finds them gone. Real sglang 0.5.23
-cache classes on CPU (tests/harness) with semblend patched; a pool small enough that
+(patches/sglang/flow/donor_heads.py), not at the next lookup that finds them gone. Real sglang
+0.5.23 cache classes on CPU (tests/harness) with semblend patched; a pool small enough that
 every new document evicts older ones.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from semblend_sglang.config import Config
-from semblend_sglang.patches.sglang.donor_kv import held_of
+from semblend_sglang.patches.sglang.flow.donor_kv import held_of
 from tests.harness import (
     HarnessConfig,
     SglangCacheHarness,
@@ -85,7 +85,7 @@ def test_a_donor_whose_kv_is_evicted_is_forgotten_at_the_eviction(
 def test_every_donor_sharing_a_freed_head_is_reported_once() -> None:
     import torch
 
-    from semblend_sglang.patches.sglang.donor_heads import DonorHeads
+    from semblend_sglang.patches.sglang.flow.donor_heads import DonorHeads
 
     heads = DonorHeads(bound=10, is_donor=lambda _h: True)
     for handle, slot in (("a", 5), ("b", 5), ("c", 7)):
@@ -99,7 +99,7 @@ def test_every_donor_sharing_a_freed_head_is_reported_once() -> None:
 
 
 def test_the_watch_never_outgrows_the_index() -> None:
-    from semblend_sglang.patches.sglang.donor_heads import DonorHeads
+    from semblend_sglang.patches.sglang.flow.donor_heads import DonorHeads
 
     registered = {"x", "y"}
     heads = DonorHeads(bound=2, is_donor=lambda h: h in registered)

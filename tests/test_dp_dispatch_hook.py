@@ -1,4 +1,4 @@
-"""The SGLang controller hook (patches/sglang/dp_dispatch.py) on sglang 0.5.23's real
+"""The SGLang controller hook (patches/sglang/engine/dp_dispatch.py) on sglang 0.5.23's real
 ``DataParallelController`` dispatch methods, ``DPBudget``, ``TokenizedGenerateReqInput`` and
 ``sock_send`` over real zmq sockets, one PULL socket per rank.
 
@@ -39,7 +39,7 @@ the interpreter's exit)."""
 
 @pytest.fixture()
 def installed(dpc: Any) -> Iterator[None]:
-    from semblend_sglang.patches.sglang.dp_dispatch import (
+    from semblend_sglang.patches.sglang.engine.dp_dispatch import (
         install_dp_dispatch,
         uninstall_dp_dispatch,
     )
@@ -58,7 +58,7 @@ class _Harness:
     def __init__(self, dpc: Any, method: str, config: Config) -> None:
         import zmq
 
-        from semblend_sglang.patches.sglang.dp_dispatch import DonorAwareDispatch
+        from semblend_sglang.patches.sglang.engine.dp_dispatch import DonorAwareDispatch
 
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
@@ -181,7 +181,7 @@ def test_a_burst_pinned_to_the_donors_rank_is_seen_before_the_rank_reports_it(dp
 
 @pytest.mark.usefixtures("installed")
 def test_namespaces_follow_the_schedulers_req(dpc: Any) -> None:
-    from semblend_sglang.patches.sglang.dp_dispatch import request_namespace
+    from semblend_sglang.patches.sglang.engine.dp_dispatch import request_namespace
 
     h = _Harness(dpc, "round_robin", Config())
     doc = _doc(4)

@@ -5,7 +5,7 @@ SGLang's error body; every good one is answered as it is alone; the server stays
 semblend on, the snapshot accounts for every request that reached the scheduler and the next
 semantic hit reuses and answers as a cold run does.
 
-Without the request guard (patches/sglang/request_guard.py) three of these requests kill
+Without the request guard (patches/sglang/engine/request_guard.py) three of these requests kill
 SGLang 0.5.23 (docs/sglang.md, "Bad input"). SGLang checks its pools when idle and raises on a
 leak (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE, on by default): a server still healthy after
 idling, its log free of leak reports, is one whose pools balanced.

@@ -1,7 +1,7 @@
 """End to end: SGLang's own KV canary in the real CPU server with semblend on. The shared
 semblend server (tests/conftest.py ``semblend_server``) runs with ``--kv-canary raise`` (its CPU
 stand-ins: semblend_sglang/cpu_runtime/canary_shim.py), so every test on it is verified by the
-canary; this one sends the hits whose slots the recorder (patches/sglang/kv_canary_record.py)
+canary; this one sends the hits whose slots the recorder (patches/sglang/engine/kv_canary_record.py)
 must write for the canary. Under the default settings a one-span hit is a sparse extend checked
 at the check layer, and a plan of two spans computes every copied position up to the check
 layer (dense) and then shrinks; every later forward verifies each request's slots, and a

@@ -24,14 +24,14 @@ import json, runpy, sys
 ns = runpy.run_path({str(CHECK_SCRIPT)!r}, run_name="kit_check")
 from tests.sparse_extend_batches import random_batch
 from semblend_sglang.kernels.sparse_extend_triton import build_sparse_extend_metadata
-from semblend_sglang.patches.sglang.split_view import split_sequences
+from semblend_sglang.patches.sglang.attention.split_view import split_sequences
 batch = random_batch(0, n_requests=4)
 metadata = build_sparse_extend_metadata(batch.rows())
 sequences = split_sequences(ns["fb_of"](batch))
 names = ("sglang", "sglang.srt.utils", "sglang.srt.environ",
          "sglang.kernels.ops.attention.extend_attention", "semblend_sglang",
          "semblend_sglang.kernels.sparse_extend", "semblend_sglang.kernels.sparse_extend_triton",
-         "semblend_sglang.patches.sglang.split_view", "semblend_sglang.patches.sglang.wrapping",
+         "semblend_sglang.patches.sglang.attention.split_view",
          "tests.sparse_extend_batches")
 print(json.dumps({{
     "files": {{name: sys.modules[name].__file__ for name in names}},

@@ -1,5 +1,5 @@
 """SGLang 0.5.23's own KV canary (its torch reference, on CPU) over semblend's sparse extend:
-copied slots recorded by patches/sglang/kv_canary_record.py verify clean, a wrong recorded
+copied slots recorded by patches/sglang/engine/kv_canary_record.py verify clean, a wrong recorded
 token or position is the canary's violation, and so is another writer of a copied slot.
 
 Real: sglang's ``ReqToTokenPool``, ``MHATokenToKVPool``, canary buffers
@@ -29,9 +29,11 @@ import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.cpu_runtime.canary_shim import apply_canary_cpu_shim
-from semblend_sglang.patches.sglang import batch_shrink, kv_canary_record, one_pass
-from semblend_sglang.patches.sglang.engine_facts import EngineFacts
-from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang import batch_fields
+from semblend_sglang.patches.sglang.engine import kv_canary_record
+from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang.flow import span_copy
+from semblend_sglang.patches.sglang.flow.engine_facts import EngineFacts
 
 CPU = torch.device("cpu")
 N = 24
@@ -96,17 +98,17 @@ class StandInReq:
 
 @dataclass
 class StandInScheduleBatch:
-    """A prepared batch's requests, with the :class:`~.one_pass.BatchReuse` semblend keeps."""
+    """A prepared batch's requests, with the :class:`~.span_copy.BatchReuse` semblend keeps."""
 
     reqs: list[StandInReq]
     prefix_lens: list[int]
     extend_lens: list[int]
     sparse: dict[str, torch.Tensor] = field(default_factory=dict)
-    candidates: dict[str, one_pass.CheckCandidates] = field(default_factory=dict)
+    candidates: dict[str, span_copy.CheckCandidates] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        reuse = one_pass.BatchReuse(sparse=dict(self.sparse), candidates=dict(self.candidates))
-        setattr(self, one_pass.BATCH_ATTR, reuse)
+        reuse = span_copy.BatchReuse(sparse=dict(self.sparse), candidates=dict(self.candidates))
+        setattr(self, span_copy.BATCH_ATTR, reuse)
 
 
 def load_batch_stand_in(fb: Any) -> Any:
@@ -454,7 +456,7 @@ def _shrink_at_check_layer(fb: Any) -> None:
     keep = torch.ones(sum(old), dtype=torch.bool)
     keep[int((fb.positions[: old[0]] == 10).nonzero())] = False
     new = [old[0] - 1, old[1]]
-    batch_shrink.shrink_batch(fb, torch.nonzero(keep).flatten(), fb.positions, old, new)
+    batch_fields.shrink_batch(fb, torch.nonzero(keep).flatten(), fb.positions, old, new)
 
 
 def test_a_check_layer_shrink_does_not_misread_the_tail_launch(rigs: Any) -> None:
@@ -477,7 +479,7 @@ def test_a_check_layer_shrink_of_a_dense_batch_does_not_misread_it(rigs: Any) ->
     extend starts dense (no sparse row) and shrinks after the check layer. Unrecorded, the
     canary's tail write misreads it; recorded, the tail launch gets the head launch's batch and
     the canary's own entries verify clean."""
-    candidates = {"b": one_pass.CheckCandidates(torch.arange(4, 16), final=True, reused=12)}
+    candidates = {"b": span_copy.CheckCandidates(torch.arange(4, 16), final=True, reused=12)}
 
     def step(rig: Rig) -> None:
         rig.prefill(1, A, SLOTS_A)

@@ -18,7 +18,7 @@ from semblend_sglang.launcher import (
     semblend_flags,
     unknown_semblend_flags,
 )
-from semblend_sglang.patches.sglang.http_routes import merge_snapshots
+from semblend_sglang.patches.sglang.engine.http_routes import merge_snapshots
 
 
 def test_every_config_field_has_a_launcher_flag() -> None:

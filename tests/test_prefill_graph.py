@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from patches.sglang.split_view import is_sparse_batch
 from semblend_sglang.config import Config
+from semblend_sglang.patches.sglang.attention.split_view import is_sparse_batch
 from tests.harness.attention_backend import forward_batch
 from tests.harness.reuse import installed
 from tests.sparse_extend_batches import random_batch
@@ -44,7 +44,7 @@ def _votes(vote: Callable[..., bool]) -> ModuleType:
 
 
 def test_a_sparse_batch_runs_eagerly_an_ordinary_one_keeps_sglangs_answer():
-    from patches.sglang.unified import prefill_graph_wrappers
+    from semblend_sglang.patches.sglang.engine.unified import prefill_graph_wrappers
 
     sparse = forward_batch(random_batch(1, n_requests=2, kinds=("sparse", "cold")))
     ordinary = forward_batch(random_batch(1, n_requests=2, kinds=("exact", "cold")))
@@ -59,8 +59,8 @@ def test_a_sparse_batch_runs_eagerly_an_ordinary_one_keeps_sglangs_answer():
 
 
 def test_dp_vote_is_no_for_a_schedule_batch_with_a_sparse_request():
-    from patches.sglang import one_pass
-    from patches.sglang.unified import prefill_graph_wrappers
+    from semblend_sglang.patches.sglang.engine.unified import prefill_graph_wrappers
+    from semblend_sglang.patches.sglang.flow import span_copy
 
     seen: list[Any] = []
 
@@ -72,9 +72,9 @@ def test_dp_vote_is_no_for_a_schedule_batch_with_a_sparse_request():
     hooks = prefill_graph_wrappers(_runner_answering(True), module)
     vote_hook = hooks[(module, "_local_prefill_cuda_graph_vote")]
     plain, sparse = SimpleNamespace(), SimpleNamespace()
-    setattr(sparse, one_pass.BATCH_ATTR, one_pass.BatchReuse(sparse={"r": torch.arange(3)}))
+    setattr(sparse, span_copy.BATCH_ATTR, span_copy.BatchReuse(sparse={"r": torch.arange(3)}))
     exact_only = SimpleNamespace()
-    setattr(exact_only, one_pass.BATCH_ATTR, one_pass.BatchReuse())
+    setattr(exact_only, span_copy.BATCH_ATTR, span_copy.BatchReuse())
     assert vote_hook(local_batch=sparse, num_tokens=8) is False
     assert vote_hook(local_batch=plain, num_tokens=8) is True
     assert vote_hook(local_batch=exact_only, num_tokens=8) is True

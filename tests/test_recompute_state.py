@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from semblend_sglang.config import Config
 from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
-from semblend_sglang.patches.sglang.request_flow import RequestFlow
-from semblend_sglang.patches.sglang.request_reuse import CheckOutcome, RequestReuse, ReuseState
+from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang.flow.request_flow import RequestFlow
+from semblend_sglang.patches.sglang.flow.request_reuse import CheckOutcome, RequestReuse, ReuseState
 from semblend_sglang.patches.sglang.runtime import SemblendRuntime
-from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
 from semblend_sglang.plan import Reason
 
 NS = Namespace(model="test-model")

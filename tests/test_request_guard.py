@@ -1,4 +1,4 @@
-"""The request guard (patches/sglang/request_guard.py) on the real sglang 0.5.23 classes: its
+"""The request guard (patches/sglang/engine/request_guard.py) on the real sglang 0.5.23 classes: its
 rule, the tokenizer manager's seam (a bad prompt raises ValueError, SGLang's 400, before the
 scheduler) and the scheduler's (a bad prompt becomes SGLang's own abort), each shown to fail
 without the guard. The real server under bad input, where the plugin installs the guard when
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.patches.sglang.request_guard import (
+from semblend_sglang.patches.sglang.engine.request_guard import (
     install_request_guard,
     prompt_error,
     remove_request_guard,

@@ -14,7 +14,7 @@ import pytest
 
 from semblend_sglang.config import Config
 from semblend_sglang.patches.sglang import load_plugin, patch_radix_cache, unpatch_radix_cache
-from semblend_sglang.patches.sglang.server_options import unsupported_options
+from semblend_sglang.patches.sglang.engine.server_options import unsupported_options
 from tests.harness import HarnessConfig, SglangCacheHarness, check_invariants
 
 
@@ -137,9 +137,9 @@ def test_rope_comes_from_the_engines_resolved_config_not_config_json(
     """``--json-model-override-args`` (how Qwen's docs turn YaRN on) changes the RoPE the engine
     runs; config.json still says default. The scheduler wrapper hands the runtime the engine's
     resolved config, so keys are rotated with YaRN's frequencies."""
+    from semblend_sglang.patches.sglang.engine.scheduler_hooks import wrap_scheduler_init
+    from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
     from semblend_sglang.patches.sglang.runtime import SemblendRuntime
-    from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
-    from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
     overrides = {"rope_scaling": yarn, "rope_parameters": {**yarn, "rope_theta": 100000.0}}
@@ -178,12 +178,12 @@ def test_an_attention_backend_that_declines_every_plan_is_named_at_start_up(
     declined as ``unsupported_cache``."""
     import sglang.srt.runtime_context as runtime_context
 
-    from semblend_sglang.patches.sglang import attention
-    from semblend_sglang.patches.sglang.scheduler_hooks import wrap_scheduler_init
-    from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
+    from semblend_sglang.patches.sglang.attention import backends
+    from semblend_sglang.patches.sglang.engine.scheduler_hooks import wrap_scheduler_init
+    from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
 
     monkeypatch.setattr(runtime_context, "attention_backends", lambda: ("fa4", "fa4"))
-    monkeypatch.setattr(attention, "_unsupported_logged", False)
+    monkeypatch.setattr(backends, "_unsupported_logged", False)
     flow = UnifiedRadixCacheAdapter(Config()).flow
     model_config = _model_config(smollm2_model_dir, {})
 
@@ -195,7 +195,7 @@ def test_an_attention_backend_that_declines_every_plan_is_named_at_start_up(
     init = wrap_scheduler_init(FakeSchedulerBuiltElsewhere.__init__, flow)
     with caplog.at_level(logging.WARNING):
         init(FakeSchedulerBuiltElsewhere.__new__(FakeSchedulerBuiltElsewhere))
-        assert not attention.attention_supported()  # a plan's check: no second line
+        assert not backends.attention_supported()  # a plan's check: no second line
     (off,) = flow.runtime.snapshot()["reuse_off"]
     assert "fa4" in off, off
     assert flow.runtime.active
@@ -225,7 +225,7 @@ def test_an_unserved_sglang_version_is_named_by_the_snapshot_route(
     from starlette.testclient import TestClient
 
     import semblend_sglang.patches.sglang as plugin
-    from semblend_sglang.patches.sglang.http_routes import SNAPSHOT_PATH
+    from semblend_sglang.patches.sglang.engine.http_routes import SNAPSHOT_PATH
 
     monkeypatch.setenv("SEMBLEND_ENABLED", "1")
     monkeypatch.setenv("SEMBLEND_CPU_QUERY_ONLY_EXTEND", "0")

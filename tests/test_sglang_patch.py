@@ -18,7 +18,7 @@ import pytest
 
 from semblend_sglang.config import Config
 from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache
-from semblend_sglang.patches.sglang.donor_kv import held_of
+from semblend_sglang.patches.sglang.flow.donor_kv import held_of
 from semblend_sglang.plan import Reason
 from tests.harness import (
     HarnessConfig,
@@ -369,7 +369,7 @@ def test_substituted_prompt_puts_the_donor_head_before_the_shared_span() -> None
 
     from semblend_sglang.align import Span
     from semblend_sglang.namespace import Namespace
-    from semblend_sglang.patches.sglang.substitute import substituted_prompt
+    from semblend_sglang.patches.sglang.flow.substitute import substituted_prompt
     from semblend_sglang.plan import ReusePlan
 
     donor = [7, 7, 7, 1, 2, 3, 4, 5, 6, 9]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from patches.sglang.split_view import SparseExtendUnsupported
+from semblend_sglang.patches.sglang.attention.hook_kit import SparseExtendUnsupported
 from tests.harness import fa3_backend
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import KINDS, random_batch
@@ -36,14 +36,14 @@ def fa3_module(monkeypatch: pytest.MonkeyPatch) -> Any:
 @pytest.fixture
 def hooks(fa3_module: Any) -> Iterator[Any]:
     """The attention hooks with fa3's installed (removed after)."""
-    from patches.sglang import attention
+    from semblend_sglang.patches.sglang.attention import backends
 
-    attention.install_attention_hooks(triton=False, gpu_backends=("fa3",))
+    backends.install_attention_hooks(triton=False, gpu_backends=("fa3",))
     try:
-        assert attention.hooks_installed("fa3")
-        yield attention
+        assert backends.hooks_installed("fa3")
+        yield backends
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -90,7 +90,7 @@ def test_without_the_hooks_a_sparse_batch_is_wrong_kernel_standin(fa3_module: An
 def test_split_metadata_and_the_real_batch_kernel_standin(hooks: Any):
     """fa3's metadata holds one sequence per computed run (cache length = run end, query count
     = run length, the request's own row); the real batch keeps its own boundaries."""
-    from patches.sglang.split_view import computed_runs
+    from semblend_sglang.patches.sglang.attention.split_view import computed_runs
 
     batch = random_batch(7, n_requests=3, max_len=60, kinds=("sparse", "cold", "exact"))
     fb = forward_batch(batch)
@@ -126,7 +126,7 @@ def test_refusals_name_fa3(hooks: Any):
     in each case (the CUDA-graph and common refusals are tests/test_backend_contract.py's)."""
     from sglang.srt.layers.radix_attention import AttentionType
 
-    attention = hooks
+    backends = hooks
     batch = random_batch(3, n_requests=2, kinds=("sparse", "cold"))
     fa3 = fa3_backend.backend(batch)
     for kw in ({"sliding_window_size": 8}, {"attn_type": AttentionType.ENCODER_ONLY}):
@@ -135,7 +135,7 @@ def test_refusals_name_fa3(hooks: Any):
     for name, value in (("fa_impl_ver", 4), ("fa_skip_kv_cache", True)):
         other = fa3_backend.backend(batch)
         setattr(other, name, value)
-        assert not attention.sparse_extend_supported(other)
+        assert not backends.sparse_extend_supported(other)
         with pytest.raises(SparseExtendUnsupported, match="fa3: this backend"):
             other.init_forward_metadata(forward_batch(batch))
     ordinary = random_batch(3, n_requests=2, kinds=("cold", "exact"))
@@ -147,15 +147,15 @@ def test_refusals_name_fa3(hooks: Any):
 
 def test_supported_at_every_page_size(fa3_module: Any):
     """fa3 is served at any page size once its hooks are installed, and only then."""
-    from patches.sglang import attention
+    from semblend_sglang.patches.sglang.attention import backends
 
     batch = random_batch(1, n_requests=1, kinds=("cold",))
     fa3 = fa3_backend.backend(batch, 16)
-    assert not attention.sparse_extend_supported(fa3)
-    attention.install_attention_hooks(triton=False, gpu_backends=("fa3",))
+    assert not backends.sparse_extend_supported(fa3)
+    backends.install_attention_hooks(triton=False, gpu_backends=("fa3",))
     try:
-        assert attention.sparse_extend_supported(fa3)
-        assert attention.backend_reuse_reason("fa3") is None
+        assert backends.sparse_extend_supported(fa3)
+        assert backends.backend_reuse_reason("fa3") is None
     finally:
-        attention.remove_attention_hooks()
-    assert not attention.hooks_installed("fa3")
+        backends.remove_attention_hooks()
+    assert not backends.hooks_installed("fa3")

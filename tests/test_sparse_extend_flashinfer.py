@@ -1,9 +1,9 @@
 """sglang 0.5.23's real FlashInferAttnBackend (`init_forward_metadata`, its real prefill indices
 updater, `forward_extend`) on CPU under TRITON_INTERPRET=1, with torch stand-ins for flashinfer's
 CUDA wrappers (tests/harness/flashinfer_backend.py; every test using one names it), against the
-dense position-masked reference: the hooks (patches/sglang/attention_flashinfer.py) run a batch
-holding a sparse request as its split view on the paged path; the ragged path would read a later
-run's prefix before this pass's KV is saved. The stand-ins are first checked against the
+dense position-masked reference: the hooks (patches/sglang/attention/flashinfer_backend.py) run a
+batch holding a sparse request as its split view on the paged path; the ragged path would read a
+later run's prefix before this pass's KV is saved. The stand-ins are first checked against the
 reference on ordinary batches through SGLang's own metadata, on both of its paths."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from semblend_sglang.patches.sglang.split_view import split_view_of
+from semblend_sglang.patches.sglang.attention.split_view import split_view_of
 from tests.harness.attention_backend import ATOL, reference
 from tests.sparse_extend_batches import random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted
@@ -57,14 +57,14 @@ def sglang_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def hooks(sglang_flashinfer: Any) -> Iterator[Any]:
-    from semblend_sglang.patches.sglang import attention, attention_flashinfer
+    from semblend_sglang.patches.sglang.attention import backends, flashinfer_backend
 
-    attention.install_attention_hooks(triton=False, gpu_backends=("flashinfer",))
+    backends.install_attention_hooks(triton=False, gpu_backends=("flashinfer",))
     try:
-        assert attention.hooks_installed("flashinfer")
-        yield attention_flashinfer
+        assert backends.hooks_installed("flashinfer")
+        yield flashinfer_backend
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()
 
 
 def _sparse(seed: int, page_size: int, **kw: Any) -> Any:
@@ -210,7 +210,7 @@ def test_split_view_on_the_ragged_path_is_wrong_flashinfer_ragged_merge_standin(
     """The pitfall the hooks avoid: the split view given to SGLang's ragged path (fresh k/v
     causal + paged prefix, KV saved after) reads a later run's prefix before this pass's KV
     of the earlier runs is in the pool (the pool holds stale KV there), so it is wrong."""
-    from semblend_sglang.patches.sglang.split_view import split_view_of
+    from semblend_sglang.patches.sglang.attention.split_view import split_view_of
     from tests.harness import flashinfer_backend as fi
 
     batch = _sparse(2, page_size, kinds=("sparse_runs",) * 3, n_requests=3)
@@ -245,7 +245,7 @@ def test_more_runs_than_the_request_pool_has_rows_flashinfer_paged_standin(hooks
 
 @needs_interpreter
 def test_the_real_batch_is_left_unchanged_flashinfer_paged_standin(hooks: Any):
-    from semblend_sglang.patches.sglang.split_view import NOTES_ATTR
+    from semblend_sglang.patches.sglang.attention.split_view import NOTES_ATTR
     from tests.harness import flashinfer_backend as fi
 
     kept = (NOTES_ATTR,)  # what the hooks keep on the batch
@@ -294,11 +294,14 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_flashinfer_standin(hooks:
 
 def test_supported_configurations(sglang_flashinfer: Any):
     """flashinfer_supported: False for what only flashinfer refuses (the common refusals are
-    tests/test_backend_contract.py's); with them (attention.backend_serves), never raising."""
+    tests/test_backend_contract.py's); with them (backends.backend_serves), never raising."""
     from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
 
-    from semblend_sglang.patches.sglang.attention import backend_serves
-    from semblend_sglang.patches.sglang.attention_flashinfer import HOOKED, flashinfer_supported
+    from semblend_sglang.patches.sglang.attention.backends import backend_serves
+    from semblend_sglang.patches.sglang.attention.flashinfer_backend import (
+        HOOKED,
+        flashinfer_supported,
+    )
     from tests.harness import flashinfer_backend as fi
 
     batch = random_batch(0, n_requests=2, kinds=("cold",))

@@ -18,8 +18,9 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     SKIP_PREFIX_CUSTOM_MASK,
     build_sparse_extend_metadata,
 )
-from semblend_sglang.patches.sglang.attention_triton import split_is_cheaper
-from semblend_sglang.patches.sglang.split_view import SparseExtendUnsupported, split_view_of
+from semblend_sglang.patches.sglang.attention.hook_kit import SparseExtendUnsupported
+from semblend_sglang.patches.sglang.attention.split_view import split_view_of
+from semblend_sglang.patches.sglang.attention.triton_backend import split_is_cheaper
 from tests.harness.attention_backend import ATOL, forward_batch, reference
 from tests.sparse_extend_batches import Batch, random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted
@@ -171,11 +172,11 @@ def hooks() -> Any:
     from semblend_sglang.cpu_runtime import ensure_torchvision_importable
 
     ensure_torchvision_importable()
-    from semblend_sglang.patches.sglang import attention
+    from semblend_sglang.patches.sglang.attention import backends
 
-    attention.install_attention_hooks(triton=True)
-    yield attention
-    attention.remove_attention_hooks()
+    backends.install_attention_hooks(triton=True)
+    yield backends
+    backends.remove_attention_hooks()
 
 
 @needs_interpreter
@@ -220,7 +221,7 @@ def test_a_pinned_sparse_path_runs_whatever_its_tile_work(hooks: Any, pinned: st
 def test_few_long_runs_split_and_many_short_runs_mask():
     """The tile-work choice: three long runs per request cost less split; a position every other
     token costs less masked (each run would read its whole prefix again)."""
-    from semblend_sglang.patches.sglang.split_view import split_sequences
+    from semblend_sglang.patches.sglang.attention.split_view import split_sequences
 
     few = forward_batch(
         random_batch(1, n_requests=3, min_len=300, max_len=400, kinds=("sparse_runs",) * 3)

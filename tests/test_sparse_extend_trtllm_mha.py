@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from semblend_sglang.patches.sglang.split_view import split_view_of
+from semblend_sglang.patches.sglang.attention.split_view import split_view_of
 from tests.harness.attention_backend import ATOL, reference
 from tests.sparse_extend_batches import random_batch
 from tests.triton_mode import run_interpreted, triton_interpreted
@@ -58,14 +58,14 @@ def sglang_trtllm(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def hooks(sglang_trtllm: Any) -> Iterator[Any]:
-    from semblend_sglang.patches.sglang import attention, attention_trtllm_mha
+    from semblend_sglang.patches.sglang.attention import backends, trtllm_mha_backend
 
-    attention.install_attention_hooks(triton=False, gpu_backends=("trtllm_mha",))
+    backends.install_attention_hooks(triton=False, gpu_backends=("trtllm_mha",))
     try:
-        assert attention.hooks_installed("trtllm_mha")
-        yield attention_trtllm_mha
+        assert backends.hooks_installed("trtllm_mha")
+        yield trtllm_mha_backend
     finally:
-        attention.remove_attention_hooks()
+        backends.remove_attention_hooks()
 
 
 def _batch(seed: int, page_size: int, **kw: Any) -> Any:
@@ -118,7 +118,7 @@ def test_sparse_batches_match_reference_trtllm_context_standin(
 def _tail_batch(page_size: int) -> Any:
     """The first seed's bf16 batch whose split view ends in a one-token run (SGLang then runs the
     trailing one-token sequences through its decode kernel)."""
-    from semblend_sglang.patches.sglang.split_view import split_sequences
+    from semblend_sglang.patches.sglang.attention.split_view import split_sequences
     from tests.harness import flashinfer_backend as fi
 
     for seed in range(100):
@@ -182,7 +182,7 @@ def test_without_the_hooks_a_sparse_batch_is_wrong_trtllm_context_standin(sglang
 
 @needs_interpreter
 def test_the_real_batch_is_left_unchanged_trtllm_context_standin(hooks: Any):
-    from semblend_sglang.patches.sglang.split_view import NOTES_ATTR
+    from semblend_sglang.patches.sglang.attention.split_view import NOTES_ATTR
     from tests.harness import flashinfer_backend as fi
 
     batch = _batch(0, 16)
@@ -231,9 +231,12 @@ def test_hooks_refuse_what_the_split_view_cannot_carry_trtllm_standin(hooks: Any
 
 def test_supported_configurations(sglang_trtllm: Any):
     """trtllm_mha_supported: False for what only trtllm_mha refuses (the common refusals are
-    tests/test_backend_contract.py's); with them (attention.backend_serves), never raising."""
-    from semblend_sglang.patches.sglang.attention import backend_serves
-    from semblend_sglang.patches.sglang.attention_trtllm_mha import HOOKED, trtllm_mha_supported
+    tests/test_backend_contract.py's); with them (backends.backend_serves), never raising."""
+    from semblend_sglang.patches.sglang.attention.backends import backend_serves
+    from semblend_sglang.patches.sglang.attention.trtllm_mha_backend import (
+        HOOKED,
+        trtllm_mha_supported,
+    )
     from tests.harness import flashinfer_backend as fi
 
     batch = random_batch(0, n_requests=2, kinds=("cold",))

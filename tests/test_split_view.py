@@ -1,5 +1,5 @@
-"""patches.sglang.split_view on sglang 0.5.23's real ForwardBatch: the runs, the view's fields,
-that the real batch is left as it was, and the view's cache."""
+"""The split view (patches/sglang/attention/split_view.py) on sglang 0.5.23's real ForwardBatch: the
+runs, the view's fields, that the real batch is left as it was, and the view's cache."""
 
 from __future__ import annotations
 
@@ -16,17 +16,19 @@ ensure_torchvision_importable()
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
 
-from semblend_sglang.patches.sglang import split_view  # noqa: E402
-from semblend_sglang.patches.sglang.split_view import (  # noqa: E402
-    NOTES_ATTR,
+from semblend_sglang.patches.sglang.attention import split_view  # noqa: E402
+from semblend_sglang.patches.sglang.attention.hook_kit import (  # noqa: E402
     SparsePath,
+    count_sparse_batch,
+    sparse_batch_counts,
+)
+from semblend_sglang.patches.sglang.attention.split_view import (  # noqa: E402
+    NOTES_ATTR,
     check_of,
     computed_runs,
-    count_sparse_batch,
     forward_notes,
     is_sparse_batch,
     notes_of,
-    sparse_batch_counts,
     split_sequences,
     split_view_of,
 )

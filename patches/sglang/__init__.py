@@ -20,7 +20,7 @@ from packaging.version import Version
 from semblend_sglang.config import Config, ConfigError
 from semblend_sglang.config_fields import parse_flag
 
-from .adapter import SglangAdapter, installed_sglang_version
+from .engine.adapter import SglangAdapter, installed_sglang_version
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ _installed: SglangAdapter | None = None
 
 
 def _adapters() -> list[type[SglangAdapter]]:
-    from .legacy import LegacyRadixCacheAdapter
-    from .unified import UnifiedRadixCacheAdapter
+    from .engine.legacy import LegacyRadixCacheAdapter
+    from .engine.unified import UnifiedRadixCacheAdapter
 
     return [UnifiedRadixCacheAdapter, LegacyRadixCacheAdapter]
 
@@ -106,16 +106,16 @@ def load_plugin() -> None:
     Whatever ``SEMBLEND_ENABLED`` says, it first guards SGLang against prompts that would crash
     its scheduler (``.request_guard``; off with ``SEMBLEND_REQUEST_GUARD=0``) and, on a CPU
     runtime, makes torch_native's extend query-only
-    (``.attention.install_cpu_query_only_extend``; off with ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``).
+    (``.backends.install_cpu_query_only_extend``; off with ``SEMBLEND_CPU_QUERY_ONLY_EXTEND=0``).
     """
     try:
-        from .request_guard import install_request_guard
+        from .engine.request_guard import install_request_guard
 
         install_request_guard()
     except Exception as exc:
         logger.error("semblend: request guard not installed (%s: %s)", type(exc).__name__, exc)
     try:
-        from .attention import install_cpu_query_only_extend
+        from .attention.backends import install_cpu_query_only_extend
 
         install_cpu_query_only_extend()
     except Exception as exc:
@@ -130,7 +130,7 @@ def load_plugin() -> None:
         logger.error("semblend: bad configuration: %s", exc)
         raise SystemExit(f"semblend: bad configuration: {exc}") from exc
     try:
-        from .http_routes import install_snapshot_route_on_import
+        from .engine.http_routes import install_snapshot_route_on_import
 
         if patch_radix_cache(config) is not None:
             install_snapshot_route_on_import()
@@ -146,7 +146,7 @@ def _install_dp_dispatch_here() -> None:
     DataParallelController module (the controller runs the plugins after importing it)."""
     import sys
 
-    from .dp_dispatch import CONTROLLER_MODULE, install_dp_dispatch
+    from .engine.dp_dispatch import CONTROLLER_MODULE, install_dp_dispatch
 
     if CONTROLLER_MODULE not in sys.modules:
         return

@@ -10,7 +10,7 @@ extend tokens, on the CPU groups SGLang's own cache uses for its cross-rank deci
 some rank did not copy are computed everywhere; the KV a rank copied there is overwritten by the
 forward, since the slots are the request's own fresh ones.
 
-Called by :func:`.one_pass.load_batch_spans` on every prefill batch when the batch has peers,
+Called by :func:`.span_copy.load_batch_spans` on every prefill batch when the batch has peers,
 whether or not this rank planned anything, so that every rank calls the same collectives in the
 same order. Never called for a batch without peers (one rank, or data-parallel attention with one
 rank per attention group). The admission of a sparse request (what SGLang's ``PrefillAdder`` is

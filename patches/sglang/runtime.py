@@ -22,8 +22,8 @@ from semblend_sglang.once_log import OnceLog
 from semblend_sglang.plan import Decision, Reason
 from semblend_sglang.provider import SemanticProvider
 
-from .request_reuse import CheckOutcome
-from .split_view import sparse_batch_counts
+from .attention.hook_kit import sparse_batch_counts
+from .flow.request_reuse import CheckOutcome
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the request flow reads from one family of sglang versions: the protocol and its types.
 
 A version adapter (:mod:`.unified` for 0.5.22+, :mod:`.legacy` for 0.5.15 - 0.5.18) implements
-:class:`VersionView` in one class; :mod:`.request_flow`, :mod:`.one_pass` and :mod:`.donor_kv`
+:class:`VersionView` in one class; :mod:`.request_flow`, :mod:`.span_copy` and :mod:`.donor_kv`
 call it and never name a version-specific sglang attribute themselves. The view only reads
 sglang: what to do with what it reads (a donor forgotten, a plan declined, admission credit) is
 decided by the flow. Nothing here imports sglang.
@@ -44,7 +44,7 @@ class VersionView(Protocol):
     """How one family of sglang versions names what the flow reads; every method only reads.
 
     Implemented by one class per adapter (:class:`.unified.UnifiedView`,
-    :class:`.legacy.LegacyView`); :class:`~.request_flow.RequestFlow`, :mod:`.one_pass` and
+    :class:`.legacy.LegacyView`); :class:`~.request_flow.RequestFlow`, :mod:`.span_copy` and
     :class:`~.donor_kv.DonorKV` hold that object and call it on the scheduler's thread. No
     method changes sglang state beyond the tree's own match (which may split a node; slots do
     not move) and the lock a copy takes; an error raises to the caller, which fails open."""

@@ -228,7 +228,7 @@ def test_request_aborted_between_its_chunks_after_a_copy_leaves_no_state(
     16-token prefill chunks is aborted (a client gone) after a chunk copied its first span's
     donor KV: its donors were pinned for that copy only, its plan ends, its slots go back and
     nothing stays locked; the next hit on the same document reuses normally."""
-    from semblend_sglang.patches.sglang.request_reuse import ReuseState
+    from semblend_sglang.patches.sglang.flow.request_reuse import ReuseState
 
     h = PART.harness_cls(HarnessConfig(pool_tokens=4096, chunked_prefill_size=16), model_config)
     doc = document(passages, 2, 8)

@@ -140,7 +140,7 @@ def _request_pages(
 
 def _held_slots(h: CacheHarness) -> list[int]:
     """Slots the adapter's held-donor store owns on this cache (empty without one)."""
-    from semblend_sglang.patches.sglang.donor_kv import held_of
+    from semblend_sglang.patches.sglang.flow.donor_kv import held_of
 
     store = held_of(h.cache)
     return [] if store is None else store.all_slots().tolist()

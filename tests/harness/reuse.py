@@ -15,8 +15,8 @@ import torch
 
 from semblend_sglang.config import Config
 from semblend_sglang.kernels import rotate_k
-from semblend_sglang.patches.sglang.donor_kv import held_of
-from semblend_sglang.patches.sglang.request_reuse import ReuseState
+from semblend_sglang.patches.sglang.flow.donor_kv import held_of
+from semblend_sglang.patches.sglang.flow.request_reuse import ReuseState
 from tests.harness.driver import CacheHarness
 from tests.harness.invariants import assert_drained, check_invariants
 from tests.harness.traffic import document

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from semblend_sglang.patches.sglang.adapter import installed_sglang_version
-from semblend_sglang.patches.sglang.legacy import (
+from semblend_sglang.patches.sglang.engine.adapter import installed_sglang_version
+from semblend_sglang.patches.sglang.engine.legacy import (
     END_VERSION,
     FIRST_VERSION,
     LegacyRadixCacheAdapter,
 )
-from semblend_sglang.patches.sglang.unified import UnifiedRadixCacheAdapter
+from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
 from tests.harness.driver import CacheHarness
 from tests.harness.hazard import HazardDonorMatch, LegacyHazardDonorMatch, UnifiedHazardDonorMatch
 from tests.harness.legacy import LegacyCacheHarness

@@ -22,7 +22,7 @@ use_triton_interpreter()
 
 from semblend_sglang.config import Config  # noqa: E402
 from semblend_sglang.patches.sglang import patch_radix_cache, unpatch_radix_cache  # noqa: E402
-from semblend_sglang.patches.sglang.legacy import LegacyRadixCacheAdapter  # noqa: E402
+from semblend_sglang.patches.sglang.engine.legacy import LegacyRadixCacheAdapter  # noqa: E402
 from tests.harness import (  # noqa: E402
     HarnessConfig,
     LegacyCacheHarness,
@@ -157,7 +157,7 @@ def test_the_installed_version_selects_the_legacy_adapter_and_only_it() -> None:
     from packaging.version import Version
 
     from semblend_sglang.patches.sglang import _adapters
-    from semblend_sglang.patches.sglang.adapter import installed_sglang_version
+    from semblend_sglang.patches.sglang.engine.adapter import installed_sglang_version
 
     version = installed_sglang_version()
     assert version is not None

@@ -20,10 +20,10 @@ from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 from semblend_sglang.provider import SemanticProvider
 
+from ..request_info import eligible, namespace_for
+from ..version_view import TreeMatchParams, VersionView
 from .donor_heads import DonorHeads
 from .held_donors import HeldDonorCounts, HeldDonorStore
-from .request_info import eligible, namespace_for
-from .version_view import TreeMatchParams, VersionView
 
 CACHE_ATTR = "_semblend_cache"
 """Attribute of a tree-cache instance that holds its :class:`CacheReuse`."""

@@ -8,7 +8,7 @@ and extend ``e - s`` per computed run. So ``init_forward_metadata`` and ``forwar
 batch's split view (:mod:`.split_view`) and SGLang's own metadata code and kernel do the rest, at
 any page size (the page table is the request's row, strided by page).
 
-Declined (:func:`fa3_supported` False, beside :mod:`.attention`'s common refusals, so plans are
+Declined (:func:`fa3_supported` False, beside :mod:`.backends`'s common refusals, so plans are
 refused before any copy): FA4 (``fa_impl_ver`` 4, a different kernel), sliding-window or
 chunked-local attention, an encoder-decoder model, context parallelism, KV sharding, and
 embedding mode's cache-less prefill.
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .split_view import HookedBackend
+from .hook_kit import HookedBackend
 
 
 def fa3_supported(backend: Any) -> bool:
     """True iff this ``FlashAttentionBackend`` instance has none of fa3's own refusals (FA4,
     cache-less prefill, sliding window, local or cross attention, CP, KV sharding). Read through
-    :func:`.attention.backend_serves`."""
+    :func:`.backends.backend_serves`."""
     return (
         getattr(backend, "fa_impl_ver", 3) == 3
         and not getattr(backend, "fa_skip_kv_cache", False)

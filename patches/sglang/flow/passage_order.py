@@ -24,9 +24,9 @@ from semblend_sglang.passages import (
     reordered_prompt,
 )
 
+from ..request_info import custom_params_of, namespace_for
+from ..wrapping import Wrappers
 from .request_flow import RequestFlow
-from .request_info import custom_params_of, namespace_for
-from .wrapping import Wrappers
 
 CachedLen = Callable[[Any, Namespace], int]
 """``cached_len(tokens, namespace)``: tokens of ``tokens`` the exact cache holds."""

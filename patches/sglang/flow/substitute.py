@@ -17,8 +17,8 @@ from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 
+from ..request_info import eligible, namespace_for, opted_out
 from .request_flow import RequestFlow
-from .request_info import eligible, namespace_for, opted_out
 
 CachedLen = Callable[[Any, Namespace], int]
 """``cached_len(tokens, namespace)``: tokens of ``tokens`` the exact cache holds (device and

@@ -4,7 +4,7 @@ torch_native``, the CPU server's): a batch holding a sparse request runs
 call replaced), which masks by position itself. SGLang's own SDPA extend would carry the split
 view correctly (it writes the pass's KV first), but it loops over sequences, one per run, which
 is slower (docs/perf-archive.md, "Split view on the CPU server: torch_native"). With the CPU
-runtime's query-only extend on (:func:`.attention.install_cpu_query_only_extend`), every extend
+runtime's query-only extend on (:func:`.backends.install_cpu_query_only_extend`), every extend
 batch runs the query-only extend.
 """
 
@@ -16,18 +16,16 @@ import torch
 
 from semblend_sglang.kernels.sparse_extend import ExtendRows, extend_attention_query_only
 
-from .split_view import (
+from ..wrapping import Wrappers
+from .hook_kit import (
     HookedBackend,
     Serves,
     SparseExtendUnsupported,
     SparsePath,
-    batch_lens,
     count_sparse_batch,
     is_plain_extend,
-    is_sparse_batch,
-    notes_of,
 )
-from .wrapping import Wrappers
+from .split_view import batch_lens, is_sparse_batch, notes_of
 
 _every_extend = False
 """Whether every extend batch runs query-only (:func:`set_query_only_every_extend`)."""
@@ -80,7 +78,7 @@ def torch_native_wrappers(native: type, serves: Serves) -> Wrappers:
     request (every extend batch under :func:`set_query_only_every_extend`) runs SGLang's
     ``forward_extend`` with the SDPA call replaced by the query-only extend on an instance
     ``serves`` accepts; anything else keeps SGLang's path. Installed by
-    :func:`.attention.install_attention_hooks`."""
+    :func:`.backends.install_attention_hooks`."""
     forward_extend = native.forward_extend
     run_sdpa = native._run_sdpa_forward_extend
 

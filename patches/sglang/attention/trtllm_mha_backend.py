@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .split_view import (
+from .hook_kit import (
     HookedBackend,
     SparseExtendUnsupported,
     SparsePath,
@@ -30,7 +30,7 @@ def trtllm_mha_supported(backend: Any) -> bool:
     """True iff ``backend`` (a ``TRTLLMHAAttnBackend`` instance) has none of trtllm_mha's own
     refusals: SM100's ``trtllm_batch_context_with_kv_cache`` prefill (not the SM90/SM120
     fmha_v2 one), a 16- or 32-bit KV cache (no FP8 fused write, no native FP4), no SWA pool and
-    prefill wrappers present. Read through :func:`.attention.backend_serves`."""
+    prefill wrappers present. Read through :func:`.backends.backend_serves`."""
     return (
         not bool(getattr(backend, "skip_prefill", False))
         and not bool(getattr(backend, "use_fmha_v2", False))

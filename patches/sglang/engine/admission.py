@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import rank_agreement
-from .request_flow import RequestFlow
-from .request_info import asks_input_logprobs
+from .. import rank_agreement
+from ..flow.request_flow import RequestFlow
+from ..request_info import asks_input_logprobs
 
 
 @dataclass(frozen=True)

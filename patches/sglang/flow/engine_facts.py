@@ -68,7 +68,7 @@ class CanaryNotes(Protocol):
 @dataclass(frozen=True)
 class EngineFacts:
     """``forward_stream``: the device stream the engine's forward runs on (None on CPU): the
-    K/V copy is ordered after it (:mod:`.one_pass`). ``layer_check``: whether the served model's
+    K/V copy is ordered after it (:mod:`.span_copy`). ``layer_check``: whether the served model's
     layers take the check-layer recompute (None while no model is known: a strategy that
     selects at a check layer then recomputes nothing; False: such plans are declined as
     ``unsupported_model``). ``check_hook``: the installed hook (None where refused).

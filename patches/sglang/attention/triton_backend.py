@@ -23,18 +23,16 @@ from semblend_sglang.kernels.sparse_extend_triton import (
     build_sparse_extend_metadata,
 )
 
-from .attention_torch_native import query_positions
-from .split_view import (
+from ..wrapping import Wrappers
+from .hook_kit import (
     BUILT_ATTR,
     HookedBackend,
     SparseExtendUnsupported,
     SparsePath,
     SplitDifference,
-    SplitSequences,
-    batch_lens,
-    split_view_of,
 )
-from .wrapping import Wrappers
+from .split_view import SplitSequences, batch_lens, split_view_of
+from .torch_native_backend import query_positions
 
 _sparse_path = "auto"
 """The ``sparse_path`` setting (:func:`set_sparse_path`)."""
@@ -42,7 +40,7 @@ _sparse_path = "auto"
 
 def triton_supported(backend: Any) -> bool:
     """True iff a ``TritonAttnBackend`` instance has none of triton's own refusals
-    (deterministic mode, dLLM, a sliding window). Read through :func:`.attention.backend_serves`."""
+    (deterministic mode, dLLM, a sliding window). Read through :func:`.backends.backend_serves`."""
     swa = getattr(backend, "sliding_window_size", None)
     return (
         not getattr(backend, "enable_deterministic", False)
@@ -166,7 +164,7 @@ def _kernel_wrapper(triton_cls: type) -> Wrappers:
 def set_sparse_path(path: str) -> None:
     """Pin how triton attends a batch holding a sparse request: ``auto`` (by tile work),
     ``split_view`` or ``position_mask`` (the ``sparse_path`` setting; the scheduler's start-up
-    hook calls it, :func:`.attention.remove_attention_hooks` resets it). ValueError on another
+    hook calls it, :func:`.backends.remove_attention_hooks` resets it). ValueError on another
     value. Other backends have one path."""
     global _sparse_path
     if path not in SPARSE_PATHS:

@@ -31,9 +31,9 @@ from typing import Any
 from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.passages import passages_error
 
-from .after_import import call_after_import
-from .request_info import reuse_value_error
-from .wrapping import Originals, install_wrappers, restore
+from ..after_import import call_after_import
+from ..request_info import reuse_value_error
+from ..wrapping import Originals, install_wrappers, restore
 
 logger = logging.getLogger(__name__)
 

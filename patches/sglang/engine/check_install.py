@@ -15,8 +15,8 @@ from typing import Any
 
 from semblend_sglang.plan import Reason
 
-from .check_layer import LayerHook
-from .engine_facts import CheckReports
+from ..flow.check_layer import LayerHook
+from ..flow.engine_facts import CheckReports
 
 logger = logging.getLogger(__name__)
 

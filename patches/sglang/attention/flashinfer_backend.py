@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .split_view import (
+from .hook_kit import (
     HookedBackend,
     SparseExtendUnsupported,
     SparsePath,
@@ -36,7 +36,7 @@ def flashinfer_supported(backend: Any) -> bool:
     """True iff ``backend`` (a ``FlashInferAttnBackend`` instance) has none of flashinfer's own
     refusals: it has prefill wrappers, one wrapper (no sliding window or cross attention), no
     multi-item scoring, no dLLM, no FP4 dequant workspace. Read through
-    :func:`.attention.backend_serves`."""
+    :func:`.backends.backend_serves`."""
     return (
         not bool(getattr(backend, "skip_prefill", False))
         and getattr(backend, "dispatch_reason", None) is None
@@ -55,7 +55,7 @@ def _updater_room(updater: Any, n: int) -> Iterator[None]:
     request pool, and a split view may hold more sequences. Larger buffers of the same dtype
     and device are lent (``kv_last_page_len`` filled with ones, as SGLang's) and the updater's
     own put back after; the backend's lists are never mutated. The planned wrappers keep the
-    slices they were given, as with :func:`.attention_triton.scratch_room`."""
+    slices they were given, as with :func:`.triton_backend.scratch_room`."""
     saved: dict[str, Any] = {}
     for name in ("kv_indptr", "qo_indptr"):
         bufs = getattr(updater, name, None)

@@ -5,7 +5,7 @@ The flags are parsed by SGLang's own parser and resolved by its own pipeline
 overrides), on this machine or, with ``assume_gpu``, with SGLang's platform facts overridden
 (``override_platform``) to those of the named GPU. The verdict comes from the checks the server
 runs: :func:`.server_options.unsupported_options` (named at start-up) and
-:func:`.attention.backend_reuse_reason` (the prefill backend). Reads only; starts
+:func:`.backends.backend_reuse_reason` (the prefill backend). Reads only; starts
 nothing.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .attention import backend_reuse_reason
+from ..attention.backends import backend_reuse_reason
 from .server_options import unsupported_options
 
 GPU_FACTS: dict[str, dict[str, Any]] = {

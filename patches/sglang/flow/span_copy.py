@@ -39,11 +39,11 @@ from semblend_sglang.config import Config
 from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import CheckSampling
 
-from . import rank_agreement
+from .. import rank_agreement
+from ..request_info import sparse_extend_refusal, wants_dense_reference
+from ..version_view import VersionView
 from .donor_kv import DonorKV, DonorMatchParams
-from .request_info import sparse_extend_refusal, wants_dense_reference
 from .request_reuse import RequestReuse
-from .version_view import VersionView
 
 BATCH_ATTR = "_semblend_batch"
 """ScheduleBatch attribute: its :class:`BatchReuse` (None, or absent, for a batch with none)."""

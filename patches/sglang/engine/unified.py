@@ -25,17 +25,18 @@ from packaging.specifiers import SpecifierSet
 from semblend_sglang.config import Config
 from semblend_sglang.namespace import Namespace
 
-from . import one_pass, rank_agreement
+from .. import rank_agreement
+from ..attention.hook_kit import graph_can_carry
+from ..flow import span_copy
+from ..flow.passage_order import reorder_request, request_level_key_wrappers
+from ..flow.request_flow import RequestFlow
+from ..flow.substitute import substitute_request
+from ..runtime import SemblendRuntime
+from ..version_view import TreeMatch, TreeMatchParams
+from ..wrapping import Wrappers
 from .adapter import HookTable, SglangAdapter
 from .admission import admission_charge, admission_credit
-from .passage_order import reorder_request, request_level_key_wrappers
-from .request_flow import RequestFlow
-from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
-from .split_view import graph_can_carry
-from .substitute import substitute_request
-from .version_view import TreeMatch, TreeMatchParams
-from .wrapping import Wrappers
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def prefill_graph_wrappers(runner: type, dp_attn: Any) -> Wrappers:
 
     def vote_hook(*args: Any, **kwargs: Any) -> bool:
         batch = kwargs.get("local_batch")
-        reuse = one_pass.batch_reuse(batch) if batch is not None else None
+        reuse = span_copy.batch_reuse(batch) if batch is not None else None
         if reuse is not None and reuse.sparse:
             return False
         return vote(*args, **kwargs)

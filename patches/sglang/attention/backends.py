@@ -1,17 +1,17 @@
 """Attention-backend hooks for a sparse extend, at start-up: the registry of the backends they
-serve (one ``attention_<name>`` module each, exporting its :class:`.split_view.HookedBackend`),
+serve (one ``attention_<name>`` module each, exporting its :class:`.hook_kit.HookedBackend`),
 their install and removal, and the refusals common to every backend (:func:`common_refusal`),
 which depend only on how a backend instance was configured.
 
 Every backend but torch_native is given a batch holding a sparse request as its split view
 (:mod:`.split_view`, which defines both) through its own ``init_forward_metadata`` and
-``forward_extend`` (:func:`.split_view.split_view_wrappers`); each backend's module says what it
+``forward_extend`` (:func:`.hook_kit.split_view_wrappers`); each backend's module says what it
 does differently. Batches without a sparse request are untouched, and a batch holding one never
 replays the prefill CUDA graph (:func:`.unified.prefill_graph_wrappers`).
 
 SGLang's own path is kept for what this cannot match (cross or encoder-only attention, sliding
 window, encoder lens, no 1-D ``positions``, speculative modes); a sparse batch that reaches such a
-path raises :class:`.split_view.SparseExtendUnsupported` instead of computing wrong attention.
+path raises :class:`.hook_kit.SparseExtendUnsupported` instead of computing wrong attention.
 Callers decide beforehand with :func:`sparse_extend_supported`.
 """
 
@@ -30,17 +30,17 @@ import torch
 from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.plan import Reason
 
+from ..wrapping import Originals, install_wrappers, restore
 from . import (
-    attention_fa3,
-    attention_flashinfer,
-    attention_torch_native,
-    attention_triton,
-    attention_trtllm_mha,
+    fa3_backend,
+    flashinfer_backend,
+    torch_native_backend,
+    triton_backend,
+    trtllm_mha_backend,
 )
-from .attention_torch_native import set_query_only_every_extend
-from .attention_triton import set_sparse_path
-from .split_view import HookedBackend
-from .wrapping import Originals, install_wrappers, restore
+from .hook_kit import HookedBackend
+from .torch_native_backend import set_query_only_every_extend
+from .triton_backend import set_sparse_path
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,11 @@ CPU_QUERY_ONLY_ENV = "SEMBLEND_CPU_QUERY_ONLY_EXTEND"
 HOOKED_BACKENDS: dict[str, HookedBackend] = {
     entry.name: entry
     for entry in (
-        attention_torch_native.HOOKED,
-        attention_triton.HOOKED,
-        attention_fa3.HOOKED,
-        attention_flashinfer.HOOKED,
-        attention_trtllm_mha.HOOKED,
+        torch_native_backend.HOOKED,
+        triton_backend.HOOKED,
+        fa3_backend.HOOKED,
+        flashinfer_backend.HOOKED,
+        trtllm_mha_backend.HOOKED,
     )
 }
 """The registry: every backend the hooks serve, by ``--attention-backend`` name."""

@@ -25,18 +25,19 @@ from semblend_sglang.plan import Reason, ReusePlan
 from semblend_sglang.recompute import RecomputeStrategy, head_lengths
 from semblend_sglang.request_settings import RequestSettings
 
-from . import attention, one_pass
-from .donor_kv import DonorKV
-from .engine_facts import EngineFacts
-from .request_info import (
+from ..attention import backends
+from ..request_info import (
     eligible,
     namespace_for,
     reuse_settings,
     served_model_path,
 )
+from ..runtime import SemblendRuntime
+from ..version_view import VersionView
+from . import span_copy
+from .donor_kv import DonorKV
+from .engine_facts import EngineFacts
 from .request_reuse import CheckOutcome, RequestReuse
-from .runtime import SemblendRuntime
-from .version_view import VersionView
 
 _T = TypeVar("_T")
 
@@ -222,7 +223,7 @@ class RequestFlow:
         return (
             self.view.serves(cache)
             and self.pool_supported(cache)
-            and attention.attention_supported()
+            and backends.attention_supported()
             and self.backend_ok is not False
         )
 
@@ -257,7 +258,7 @@ class RequestFlow:
 
     # ----------------------------------------------------------------- 2. pin donors and copy
     def prepare_extend(self, batch: Any) -> None:
-        """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.one_pass`). An
+        """After ``prepare_for_extend``: copy the batch's reused spans (:mod:`.span_copy`). An
         error leaves the batch as sglang built it and makes its planned requests cold
         fallbacks. Where other ranks run the batch too, this takes part in their agreement on
         every prefill batch, planned here or not (:mod:`.rank_agreement`)."""
@@ -279,7 +280,7 @@ class RequestFlow:
         if spec is None and not peers:
             return
         before = {rid: s.reused_total for rid, s in states.items()}
-        params = one_pass.LoadParams(
+        params = span_copy.LoadParams(
             cache,
             batch,
             {rid: s for rid, s in states.items() if rid in self.requests},
@@ -291,7 +292,7 @@ class RequestFlow:
             self._engine.forward_stream,
         )
         try:
-            result = one_pass.load_batch_spans(params)
+            result = span_copy.load_batch_spans(params)
         except Exception as exc:  # the batch is unchanged: its requests compute every position
             for rid in states:
                 if rid in self.requests:
@@ -333,7 +334,7 @@ class RequestFlow:
         forward learns the attention backend; SGLang's KV canary, where it runs, notes the
         batch; a check layer is armed; a batch with sparse requests gets their true positions (a
         decode forward forgets them). Raises the ``ValueError`` of
-        :func:`.one_pass.forward_positions` when that batch's lengths and positions disagree:
+        :func:`.span_copy.forward_positions` when that batch's lengths and positions disagree:
         its KV is copied, no normal path is left (:mod:`.adapter`)."""
         if self.backend_ok is None:
             self.guarded("backend", None, None, self._check_backend, model_runner)
@@ -341,20 +342,22 @@ class RequestFlow:
         if canary is not None:
             self.guarded("kv_canary", None, None, canary.note, batch, forward_batch)
         hook = self._engine.check_hook
-        reuse = one_pass.batch_reuse(batch)
+        reuse = span_copy.batch_reuse(batch)
         if reuse is None:
             return
         if hook is not None and reuse.candidates:
             self.guarded("arm", None, None, hook.arm, batch, forward_batch)
         if reuse.sparse and forward_batch.positions is not None:
             if forward_batch.forward_mode.is_decode_or_idle():
-                one_pass.clear(batch)
+                span_copy.clear(batch)
             else:
-                forward_batch.positions = one_pass.forward_positions(batch, forward_batch.positions)
+                forward_batch.positions = span_copy.forward_positions(
+                    batch, forward_batch.positions
+                )
 
     def _check_backend(self, model_runner: Any) -> None:
         """Set :attr:`backend_ok` from the model runner's attention backend."""
-        self.backend_ok = attention.runner_supported(model_runner)
+        self.backend_ok = backends.runner_supported(model_runner)
 
     # ----------------------------------------------------------------- 5. publish cap
     def publish_limit(self, rid: str | None, up_to: int) -> int:

@@ -28,8 +28,8 @@ when sglang calls it (every call on the scheduler's thread):
 - ForwardBatch.init_new -> RequestFlow.forward_batch: its forward batch built (true positions, the
   check layer armed).
 - PrefillCudaGraphRunner.can_run_graph, dp_attn._local_prefill_cuda_graph_vote ->
-  split_view.graph_can_carry, one_pass.batch_reuse: a prefill step's CUDA-graph decision (and its DP
-  vote).
+  hook_kit.graph_can_carry, span_copy.batch_reuse: a prefill step's CUDA-graph decision (and
+  its DP vote).
 - Scheduler.__init__ -> the start-up refusals, the runtime: scheduler start.
 - Scheduler._add_request_to_queue -> substitute.substitute_request: a request's arrival (substitute
   mode only).
@@ -46,10 +46,10 @@ when sglang calls it (every call on the scheduler's thread):
 :meth:`~.request_flow.RequestFlow.guarded` (an error is counted, logged once, and the request
 continues on the normal path), with two exceptions, both for a batch whose donor KV is copied
 and whose lengths are shrunk already, so that no normal path is left for it: ``init_new``'s
-:func:`.one_pass.forward_positions` raises ``ValueError`` when the batch's lengths and the
+:func:`.span_copy.forward_positions` raises ``ValueError`` when the batch's lengths and the
 positions sglang computed disagree, and an attention path that cannot split such a batch raises
-:class:`.split_view.SparseExtendUnsupported`; both stop the step rather than compute attention
-at wrong positions (:func:`.attention.sparse_extend_supported` decides before any copy).
+:class:`.hook_kit.SparseExtendUnsupported`; both stop the step rather than compute attention
+at wrong positions (:func:`.backends.sparse_extend_supported` decides before any copy).
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ from packaging.version import InvalidVersion, Version
 
 from semblend_sglang.config import Config
 
-from . import attention, one_pass
-from .wrapping import Originals, Wrappers, install_wrappers, restore
+from ..attention import backends
+from ..flow import span_copy
+from ..wrapping import Originals, Wrappers, install_wrappers, restore
 
 if TYPE_CHECKING:
-    from .request_flow import RequestFlow
-    from .runtime import SemblendRuntime
+    from ..flow.request_flow import RequestFlow
+    from ..runtime import SemblendRuntime
 
 
 @dataclass(frozen=True)
@@ -120,15 +121,15 @@ class SglangAdapter(ABC):
             return
         table = self.hook_table()
         self._originals = install_wrappers(table.wrappers)
-        self._own_attention_hooks = not attention.hooks_installed("torch_native")
-        attention.install_attention_hooks(triton=table.triton_attention)
+        self._own_attention_hooks = not backends.hooks_installed("torch_native")
+        backends.install_attention_hooks(triton=table.triton_attention)
 
     def remove(self) -> None:
         """Restore every method ``apply`` replaced (idempotent)."""
         restore(self._originals)
         self._originals.clear()
         if self._own_attention_hooks:
-            attention.remove_attention_hooks()
+            backends.remove_attention_hooks()
             self._own_attention_hooks = False
 
     def is_applied(self) -> bool:
@@ -144,7 +145,7 @@ class SglangAdapter(ABC):
         orig_init_new = forward_batch.init_new  # bound to ForwardBatch (a classmethod)
 
         def prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> Any:
-            one_pass.clear(self)
+            span_copy.clear(self)
             out = orig_prepare(self, *args, **kwargs)
             flow.guarded("load", None, None, flow.prepare_extend, self)
             return out

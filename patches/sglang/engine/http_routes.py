@@ -18,7 +18,7 @@ import logging
 import sys
 from typing import Any
 
-from .after_import import call_after_import
+from ..after_import import call_after_import
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def install_snapshot_route(unserved: str | None = None) -> bool:
             return True
 
         async def semblend_snapshot() -> dict[str, Any]:
-            """Outcome counters of every scheduler (see patches/sglang/http_routes.py)."""
+            """Outcome counters of every scheduler (see patches/sglang/engine/http_routes.py)."""
             if unserved is not None:
                 return unserved_snapshot(unserved)
             states = await module._global_state.tokenizer_manager.get_internal_state()

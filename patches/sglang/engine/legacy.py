@@ -36,13 +36,13 @@ from semblend_sglang.config_fields import parse_flag
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 
-from . import rank_agreement
+from .. import rank_agreement
+from ..flow.request_flow import RequestFlow
+from ..flow.substitute import substitute_request
+from ..runtime import SemblendRuntime
+from ..version_view import TreeMatch, TreeMatchParams
 from .adapter import HookTable, SglangAdapter
-from .request_flow import RequestFlow
-from .runtime import SemblendRuntime
 from .scheduler_hooks import scheduler_wrappers
-from .substitute import substitute_request
-from .version_view import TreeMatch, TreeMatchParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 The canary keeps, per KV slot, the token and position a forward wrote there and a chain hash
 (``splitmix64_mix3`` of the previous position's slot entry); at every forward it verifies each
 request's slots ``[0, prefix)`` against them. Its write plan takes a request's computed tokens
-as consecutive positions from ``extend_prefix_len``. A sparse extend (:mod:`.one_pass`) breaks
+as consecutive positions from ``extend_prefix_len``. A sparse extend (:mod:`.span_copy`) breaks
 that: the plan chains the computed tokens across the copied spans (with a prefix, its
 write-time position assert fires at the first computed position after a span), the copied
 slots keep what the canary last stored there (another owner's), and once the check layer
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from . import one_pass
-from .split_view import NOTES_ATTR, batch_lens, forward_notes
+from ..attention.split_view import NOTES_ATTR, batch_lens, forward_notes
+from ..flow import span_copy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .request_flow import RequestFlow
+    from ..flow.request_flow import RequestFlow
 
 MANAGER_MODULE = "sglang.srt.kv_canary.single_forward_manager.manager"
 """The sglang module whose ``launch_endpoints_per_forward`` the recorder wraps."""
@@ -130,12 +130,12 @@ class CanaryRecorder:
 
     def note(self, batch: Any, forward_batch: Any) -> None:
         """After ``init_new`` built ``forward_batch`` for ``batch``: keep its sparse rows (a
-        request of ``batch``'s :class:`~.one_pass.BatchReuse` whose computed positions are the
+        request of ``batch``'s :class:`~.span_copy.BatchReuse` whose computed positions are the
         forward's, ``prefix + extend != seq``), none for a batch with check candidates only
         (its tail launch still needs the batch of its head launch), for its forward's first
         canary launch; any other batch drops what an earlier one left."""
         self.pending = None
-        reuse = one_pass.batch_reuse(batch)
+        reuse = span_copy.batch_reuse(batch)
         if reuse is None or not (reuse.sparse or reuse.candidates):
             return
         if not forward_batch.forward_mode.is_extend():

@@ -30,7 +30,7 @@ from semblend_sglang.dispatch import DonorRouter, Route
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.once_log import OnceLog
 
-from .request_info import namespace_for
+from ..request_info import namespace_for
 
 logger = logging.getLogger(__name__)
 

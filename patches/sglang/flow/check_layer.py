@@ -3,10 +3,10 @@
 What it selects, the sampled check and the second check are told in docs/sglang.md ("Recompute
 budget and quality gate"). This module is the one seam between the recompute and a model's
 code: :class:`LayerHook` wraps, per model instance, each decoder layer's ``forward`` (shrunk
-positions in; the hidden states shrunk after a check layer, :mod:`.batch_shrink`) and the
+positions in; the hidden states shrunk after a check layer, :mod:`.batch_fields`) and the
 ``RadixAttention`` of every layer (candidates scored there before it writes, by
 :mod:`semblend_sglang.recompute`; a dense reference's K/V forced there). After a check layer the
-batch is a sparse extend (:mod:`.attention`). :mod:`.check_install` decides at start-up whether
+batch is a sparse extend (:mod:`.backends`). :mod:`.check_install` decides at start-up whether
 a model takes the hook.
 
 A request whose ``sampling_params.custom_params`` has ``semblend_dense_reference`` true runs
@@ -32,12 +32,12 @@ from semblend_sglang import recompute
 from semblend_sglang.config import Config
 from semblend_sglang.recompute import RecomputeStrategy
 
-from .batch_shrink import attention_backend, shrink_batch, shrink_hidden
+from ..attention.split_view import check_of, forward_notes
+from ..batch_fields import attention_backend, shrink_batch, shrink_hidden
+from ..request_info import wants_dense_reference
 from .engine_facts import CheckReports
-from .one_pass import batch_reuse
-from .request_info import wants_dense_reference
 from .request_reuse import CheckOutcome
-from .split_view import check_of, forward_notes
+from .span_copy import batch_reuse
 
 
 @dataclass

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..attention.backends import served_attention_refusal, set_sparse_path
+from ..flow.engine_facts import EngineFacts
+from ..flow.request_flow import RequestFlow
+from ..wrapping import Wrappers
 from . import check_install, kv_canary_record
-from .attention import served_attention_refusal, set_sparse_path
-from .engine_facts import EngineFacts
 from .http_routes import CONFIG_KEY, STATE_KEY
-from .request_flow import RequestFlow
 from .server_options import engine_hf_config, unsupported_options
-from .wrapping import Wrappers
 
 ArrivalHook = Callable[[Any, Any], None]
 """``hook(scheduler, req)``, run on an arriving request before it is queued."""
