@@ -6,7 +6,7 @@ on long sparse requests beside an exact hit computing as many tokens (the floor)
 Runs on the GPU machine from the repo root with .gpu/ carried, as built here by
 scripts/gpu_split_view_kit.sh: sglang 0.5.23's kernel files verbatim, import shims for the two
 sglang modules they import at load time (env flags off, CUDA probes), and copies of this repo's
-torch-only modules at their package paths (split_view.py, sparse_extend.py,
+torch-only modules at their package paths (split_view.py, batch_fields.py, sparse_extend.py,
 sparse_extend_triton.py, tests/sparse_extend_batches.py). Writes $OUT/split_view_gpu.json;
 recorded in docs/perf.md ("Split view on a GPU").
 

@@ -67,6 +67,7 @@ for d in "$pkg" "$pkg/kernels" "$pkg/patches" "$pkg/patches/sglang" "$pkg/patche
     touch "$d/__init__.py"
 done
 cp kernels/sparse_extend.py kernels/sparse_extend_triton.py "$pkg/kernels/"
+cp patches/sglang/batch_fields.py "$pkg/patches/sglang/"
 cp patches/sglang/attention/split_view.py "$pkg/patches/sglang/attention/"
 cp tests/sparse_extend_batches.py "$kit/site/tests/"
 echo "built $kit ($(du -sh "$kit" | cut -f1))"

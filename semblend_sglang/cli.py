@@ -133,7 +133,7 @@ def doctor_cmd(ctx: click.Context, assume_gpu: str | None) -> None:
     from .cpu_runtime import ensure_torchvision_importable
 
     ensure_torchvision_importable()
-    from .patches.sglang.doctor import DoctorParams, FlagError, diagnose
+    from .patches.sglang.engine.doctor import DoctorParams, FlagError, diagnose
 
     try:
         report = diagnose(DoctorParams(tuple(ctx.args), assume_gpu))

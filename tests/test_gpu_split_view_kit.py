@@ -32,6 +32,7 @@ names = ("sglang", "sglang.srt.utils", "sglang.srt.environ",
          "sglang.kernels.ops.attention.extend_attention", "semblend_sglang",
          "semblend_sglang.kernels.sparse_extend", "semblend_sglang.kernels.sparse_extend_triton",
          "semblend_sglang.patches.sglang.attention.split_view",
+         "semblend_sglang.patches.sglang.batch_fields",
          "tests.sparse_extend_batches")
 print(json.dumps({{
     "files": {{name: sys.modules[name].__file__ for name in names}},

@@ -32,7 +32,7 @@ from semblend_sglang.cpu_runtime.canary_shim import apply_canary_cpu_shim
 from semblend_sglang.patches.sglang import batch_fields
 from semblend_sglang.patches.sglang.engine import kv_canary_record
 from semblend_sglang.patches.sglang.engine.unified import UnifiedRadixCacheAdapter
-from semblend_sglang.patches.sglang.flow import span_copy
+from semblend_sglang.patches.sglang.flow import batch_state
 from semblend_sglang.patches.sglang.flow.engine_facts import EngineFacts
 
 CPU = torch.device("cpu")
@@ -98,17 +98,17 @@ class StandInReq:
 
 @dataclass
 class StandInScheduleBatch:
-    """A prepared batch's requests, with the :class:`~.span_copy.BatchReuse` semblend keeps."""
+    """A prepared batch's requests, with the :class:`~.batch_state.BatchReuse` semblend keeps."""
 
     reqs: list[StandInReq]
     prefix_lens: list[int]
     extend_lens: list[int]
     sparse: dict[str, torch.Tensor] = field(default_factory=dict)
-    candidates: dict[str, span_copy.CheckCandidates] = field(default_factory=dict)
+    candidates: dict[str, batch_state.CheckCandidates] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        reuse = span_copy.BatchReuse(sparse=dict(self.sparse), candidates=dict(self.candidates))
-        setattr(self, span_copy.BATCH_ATTR, reuse)
+        reuse = batch_state.BatchReuse(sparse=dict(self.sparse), candidates=dict(self.candidates))
+        setattr(self, batch_state.BATCH_ATTR, reuse)
 
 
 def load_batch_stand_in(fb: Any) -> Any:
@@ -163,7 +163,7 @@ class Rig:
         )
         self.manager.mark_init_finished()  # the chain position assert and phase checks on
         self.flow = UnifiedRadixCacheAdapter(Config()).flow
-        self.flow.backend_ok = True
+        self.flow.support.backend_ok = True
         self.runner = SimpleNamespace(canary_manager=self.manager, req_to_token_pool=self.r2t)
         self.recorder = kv_canary_record.install(self.flow, self.runner) if record else None
         self.flow.engine_started(EngineFacts(canary=self.recorder))  # as scheduler start does
@@ -479,7 +479,7 @@ def test_a_check_layer_shrink_of_a_dense_batch_does_not_misread_it(rigs: Any) ->
     extend starts dense (no sparse row) and shrinks after the check layer. Unrecorded, the
     canary's tail write misreads it; recorded, the tail launch gets the head launch's batch and
     the canary's own entries verify clean."""
-    candidates = {"b": span_copy.CheckCandidates(torch.arange(4, 16), final=True, reused=12)}
+    candidates = {"b": batch_state.CheckCandidates(torch.arange(4, 16), final=True, reused=12)}
 
     def step(rig: Rig) -> None:
         rig.prefill(1, A, SLOTS_A)

@@ -60,7 +60,7 @@ def test_a_sparse_batch_runs_eagerly_an_ordinary_one_keeps_sglangs_answer():
 
 def test_dp_vote_is_no_for_a_schedule_batch_with_a_sparse_request():
     from semblend_sglang.patches.sglang.engine.unified import prefill_graph_wrappers
-    from semblend_sglang.patches.sglang.flow import span_copy
+    from semblend_sglang.patches.sglang.flow import batch_state
 
     seen: list[Any] = []
 
@@ -72,9 +72,9 @@ def test_dp_vote_is_no_for_a_schedule_batch_with_a_sparse_request():
     hooks = prefill_graph_wrappers(_runner_answering(True), module)
     vote_hook = hooks[(module, "_local_prefill_cuda_graph_vote")]
     plain, sparse = SimpleNamespace(), SimpleNamespace()
-    setattr(sparse, span_copy.BATCH_ATTR, span_copy.BatchReuse(sparse={"r": torch.arange(3)}))
+    setattr(sparse, batch_state.BATCH_ATTR, batch_state.BatchReuse(sparse={"r": torch.arange(3)}))
     exact_only = SimpleNamespace()
-    setattr(exact_only, span_copy.BATCH_ATTR, span_copy.BatchReuse())
+    setattr(exact_only, batch_state.BATCH_ATTR, batch_state.BatchReuse())
     assert vote_hook(local_batch=sparse, num_tokens=8) is False
     assert vote_hook(local_batch=plain, num_tokens=8) is True
     assert vote_hook(local_batch=exact_only, num_tokens=8) is True

@@ -1,4 +1,4 @@
-"""Structure limits of the product code (issue 43): module size and import cycles.
+"""Structure limits of the product code: module size and import cycles.
 
 Reads the source as text (ast); imports nothing it checks.
 """
@@ -20,6 +20,9 @@ PACKAGES = {
 """Import name -> folder, as pyproject's package-dir maps them."""
 
 MAX_MODULE_LINES = 450
+
+MAX_SGLANG_PATCH_LINES = 400
+"""The limit in patches/sglang, the request path (issue 68: a reader follows one hit there)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -67,13 +70,18 @@ def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
     return {m for m in out if m in known and m not in ancestors}
 
 
+def _limit(path: Path) -> int:
+    inside = path.is_relative_to(ROOT / "patches" / "sglang")
+    return MAX_SGLANG_PATCH_LINES if inside else MAX_MODULE_LINES
+
+
 def test_no_product_module_is_over_the_line_limit() -> None:
     over = {
-        str(path.relative_to(ROOT)): n
+        str(path.relative_to(ROOT)): (n, _limit(path))
         for path in _modules().values()
-        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+        if (n := len(path.read_text().splitlines())) > _limit(path)
     }
-    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+    assert not over, f"modules over their line limit (lines, limit): {over}"
 
 
 def test_product_modules_import_no_cycle() -> None:

@@ -39,7 +39,7 @@ def _lookup_error(adapter: Any, monkeypatch: Any) -> None:
 
 
 def _rope_unreadable(adapter: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(adapter.flow, "rope_spec", lambda: None)
+    monkeypatch.setattr(adapter.flow.support, "rope_spec", lambda: None)
 
 
 FAULTS: dict[str, Callable[[Any, Any], None] | None] = {

@@ -1,13 +1,17 @@
-"""Restricting a running forward to some of its rows, between two decoder layers: the layer's
-output (:func:`shrink_hidden`), the ``ForwardBatch``'s per-token and per-request fields
-(:func:`shrink_batch`), and the attention backend whose metadata must then be rebuilt
-(:func:`attention_backend`). Called by :mod:`.check_layer` after the check layer, on the
-scheduler's forward thread; sglang-version facts (the residual handle, the forward context) live
-here.
+"""Every write semblend makes to sglang's batch length fields, in one place: a prepared
+``ScheduleBatch`` losing the copied positions from its computed tokens
+(:func:`keep_scheduled_tokens`, called by the span copy), a running ``ForwardBatch`` restricted
+to some of its rows between two decoder layers (:func:`shrink_batch`, with the layer's output,
+:func:`shrink_hidden`, and the attention backend whose metadata must then be rebuilt,
+:func:`attention_backend`; called by the check layer on the scheduler's forward thread), and the
+split view's copy of a batch (:func:`set_view_lengths`, called by the split view; the real batch
+is not written). sglang-version facts (the residual handle, the forward context) live here.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,3 +85,64 @@ def shrink_batch(
             value.fill_(total)
     if isinstance(getattr(fb, "global_num_token_non_padded_cpu", None), int):
         fb.global_num_token_non_padded_cpu = total
+
+
+def keep_scheduled_tokens(batch: Any, keep: torch.Tensor, new: list[int]) -> None:
+    """Restrict a prepared ScheduleBatch's computed tokens (``prefill_input_ids_cpu``,
+    ``out_cache_loc``) to ``keep`` (one flag per computed token); per-request computed lengths
+    become ``new`` (``extend_lens``, ``extend_num_tokens``), each request's logprob start kept at
+    the same distance from its chunk's end. ``prefix_lens``, ``seq_lens`` and the rows stay."""
+    old = [int(n) for n in batch.extend_lens]
+    starts = batch.extend_logprob_start_lens
+    for i, (n, o) in enumerate(zip(new, old, strict=True)):
+        starts[i] = n - (o - int(starts[i]))
+    ids = batch.prefill_input_ids_cpu
+    new_ids = torch.empty(int(keep.sum()), dtype=ids.dtype, pin_memory=ids.is_pinned())
+    torch.masked_select(ids, keep, out=new_ids)  # into pinned memory: the H2D copy stays async
+    batch.prefill_input_ids_cpu = new_ids
+    loc = batch.out_cache_loc
+    batch.out_cache_loc = loc[keep.to(loc.device)]
+    batch.extend_lens = list(new)
+    batch.extend_num_tokens = sum(new)
+
+
+def _like(values: Sequence[int], template: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=template.dtype, device=template.device)
+
+
+def set_view_lengths(
+    view: Any,
+    forward_batch: Any,
+    request: Sequence[int],
+    seq: Sequence[int],
+    extend: Sequence[int],
+    prefix: Sequence[int],
+) -> None:
+    """Write on ``view`` (a shallow copy of ``forward_batch``) the per-sequence fields of the
+    sequences given by ``request`` (each sequence's row index in the real batch) and their
+    ``seq`` / ``extend`` / ``prefix`` lengths: rows, lengths, start offsets and sums. Fields the
+    view cannot keep consistent (logprob starts, orig/max sequence-length overrides) become
+    None. ``forward_batch`` is only read."""
+    fb = forward_batch
+    idx = torch.tensor(list(request), dtype=torch.int64, device=fb.req_pool_indices.device)
+    view.batch_size = len(request)
+    view.req_pool_indices = fb.req_pool_indices.index_select(0, idx)
+    cpu_rows = getattr(fb, "req_pool_indices_cpu", None)
+    if cpu_rows is not None:
+        view.req_pool_indices_cpu = cpu_rows.index_select(0, idx.cpu())
+    view.seq_lens = _like(seq, fb.seq_lens)
+    if getattr(fb, "seq_lens_cpu", None) is not None:
+        view.seq_lens_cpu = torch.tensor(list(seq), dtype=fb.seq_lens_cpu.dtype)
+    view.seq_lens_sum = sum(seq)
+    view.extend_seq_lens = _like(extend, fb.extend_seq_lens)
+    view.extend_prefix_lens = _like(prefix, fb.extend_prefix_lens)
+    view.extend_seq_lens_cpu = list(extend)
+    view.extend_prefix_lens_cpu = list(prefix)
+    starts = list(itertools.accumulate(list(extend)[:-1], initial=0))
+    template = getattr(fb, "extend_start_loc", None)
+    view.extend_start_loc = _like(starts, template if template is not None else fb.seq_lens)
+    for name in ("extend_logprob_start_lens_cpu", "orig_seq_lens", "max_seq_len_override"):
+        if hasattr(fb, name):
+            setattr(view, name, None)
+    if getattr(fb, "max_seq_len_host", None) is not None:
+        view.max_seq_len_host = max(seq)

@@ -488,7 +488,7 @@ class CacheHarness(ABC):
         reading the KV stored at the position before it. Checks that ``out_cache_loc`` holds
         exactly the row's slots at those positions, in batch order, then the batch's input ids
         and lengths (`_extend_inputs_violation`)."""
-        from semblend_sglang.patches.sglang.flow.span_copy import batch_reuse
+        from semblend_sglang.patches.sglang.flow.batch_state import batch_reuse
 
         reuse = batch_reuse(batch)
         sparse = {} if reuse is None else reuse.sparse

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..batch_fields import set_view_lengths
 
 NOTES_ATTR = "_semblend_notes"
 """The one attribute semblend sets on a ForwardBatch: its :class:`ForwardNotes`."""
@@ -203,40 +204,13 @@ def split_sequences(forward_batch: Any) -> SplitSequences | None:
     return out
 
 
-def _like(values: list[int], template: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=template.dtype, device=template.device)
-
-
 def build_view(forward_batch: Any, seqs: SplitSequences) -> Any:
     """A shallow copy of ``forward_batch`` whose per-sequence fields are ``seqs``' (rows
-    repeated per run, prefix/extend/sequence lengths, start offsets, sums); every other field is
-    the real batch's object. Fields the view cannot keep consistent (logprob starts, orig/max
-    sequence-length overrides) are None."""
-    fb = forward_batch
-    idx = torch.tensor(seqs.request, dtype=torch.int64, device=fb.req_pool_indices.device)
-    view = copy.copy(fb)
+    repeated per run, prefix/extend/sequence lengths, start offsets, sums:
+    :func:`.batch_fields.set_view_lengths`); every other field is the real batch's object."""
+    view = copy.copy(forward_batch)
     view.__dict__.pop(NOTES_ATTR, None)  # the real batch's notes, copied along
-    view.batch_size = len(seqs.request)
-    view.req_pool_indices = fb.req_pool_indices.index_select(0, idx)
-    cpu_rows = getattr(fb, "req_pool_indices_cpu", None)
-    if cpu_rows is not None:
-        view.req_pool_indices_cpu = cpu_rows.index_select(0, idx.cpu())
-    view.seq_lens = _like(seqs.seq, fb.seq_lens)
-    if getattr(fb, "seq_lens_cpu", None) is not None:
-        view.seq_lens_cpu = torch.tensor(seqs.seq, dtype=fb.seq_lens_cpu.dtype)
-    view.seq_lens_sum = sum(seqs.seq)
-    view.extend_seq_lens = _like(seqs.extend, fb.extend_seq_lens)
-    view.extend_prefix_lens = _like(seqs.prefix, fb.extend_prefix_lens)
-    view.extend_seq_lens_cpu = list(seqs.extend)
-    view.extend_prefix_lens_cpu = list(seqs.prefix)
-    starts = list(itertools.accumulate(seqs.extend[:-1], initial=0))
-    template = getattr(fb, "extend_start_loc", None)
-    view.extend_start_loc = _like(starts, template if template is not None else fb.seq_lens)
-    for name in ("extend_logprob_start_lens_cpu", "orig_seq_lens", "max_seq_len_override"):
-        if hasattr(fb, name):
-            setattr(view, name, None)
-    if getattr(fb, "max_seq_len_host", None) is not None:
-        view.max_seq_len_host = max(seqs.seq)
+    set_view_lengths(view, forward_batch, seqs.request, seqs.seq, seqs.extend, seqs.prefix)
     return view
 
 

@@ -28,7 +28,7 @@ when sglang calls it (every call on the scheduler's thread):
 - ForwardBatch.init_new -> RequestFlow.forward_batch: its forward batch built (true positions, the
   check layer armed).
 - PrefillCudaGraphRunner.can_run_graph, dp_attn._local_prefill_cuda_graph_vote ->
-  hook_kit.graph_can_carry, span_copy.batch_reuse: a prefill step's CUDA-graph decision (and
+  hook_kit.graph_can_carry, batch_state.batch_reuse: a prefill step's CUDA-graph decision (and
   its DP vote).
 - Scheduler.__init__ -> the start-up refusals, the runtime: scheduler start.
 - Scheduler._add_request_to_queue -> substitute.substitute_request: a request's arrival (substitute
@@ -46,7 +46,7 @@ when sglang calls it (every call on the scheduler's thread):
 :meth:`~.request_flow.RequestFlow.guarded` (an error is counted, logged once, and the request
 continues on the normal path), with two exceptions, both for a batch whose donor KV is copied
 and whose lengths are shrunk already, so that no normal path is left for it: ``init_new``'s
-:func:`.span_copy.forward_positions` raises ``ValueError`` when the batch's lengths and the
+:func:`.batch_state.forward_positions` raises ``ValueError`` when the batch's lengths and the
 positions sglang computed disagree, and an attention path that cannot split such a batch raises
 :class:`.hook_kit.SparseExtendUnsupported`; both stop the step rather than compute attention
 at wrong positions (:func:`.backends.sparse_extend_supported` decides before any copy).
@@ -64,7 +64,7 @@ from packaging.version import InvalidVersion, Version
 from semblend_sglang.config import Config
 
 from ..attention import backends
-from ..flow import span_copy
+from ..flow import batch_state
 from ..wrapping import Originals, Wrappers, install_wrappers, restore
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class SglangAdapter(ABC):
         orig_init_new = forward_batch.init_new  # bound to ForwardBatch (a classmethod)
 
         def prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> Any:
-            span_copy.clear(self)
+            batch_state.clear(self)
             out = orig_prepare(self, *args, **kwargs)
             flow.guarded("load", None, None, flow.prepare_extend, self)
             return out

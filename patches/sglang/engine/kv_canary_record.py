@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..attention.split_view import NOTES_ATTR, batch_lens, forward_notes
-from ..flow import span_copy
+from ..flow import batch_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -130,12 +130,12 @@ class CanaryRecorder:
 
     def note(self, batch: Any, forward_batch: Any) -> None:
         """After ``init_new`` built ``forward_batch`` for ``batch``: keep its sparse rows (a
-        request of ``batch``'s :class:`~.span_copy.BatchReuse` whose computed positions are the
+        request of ``batch``'s :class:`~.batch_state.BatchReuse` whose computed positions are the
         forward's, ``prefix + extend != seq``), none for a batch with check candidates only
         (its tail launch still needs the batch of its head launch), for its forward's first
         canary launch; any other batch drops what an earlier one left."""
         self.pending = None
-        reuse = span_copy.batch_reuse(batch)
+        reuse = batch_state.batch_reuse(batch)
         if reuse is None or not (reuse.sparse or reuse.candidates):
             return
         if not forward_batch.forward_mode.is_extend():

@@ -27,7 +27,7 @@ from semblend_sglang.namespace import Namespace
 
 from .. import rank_agreement
 from ..attention.hook_kit import graph_can_carry
-from ..flow import span_copy
+from ..flow import batch_state
 from ..flow.passage_order import reorder_request, request_level_key_wrappers
 from ..flow.request_flow import RequestFlow
 from ..flow.substitute import substitute_request
@@ -310,7 +310,7 @@ def prefill_graph_wrappers(runner: type, dp_attn: Any) -> Wrappers:
 
     def vote_hook(*args: Any, **kwargs: Any) -> bool:
         batch = kwargs.get("local_batch")
-        reuse = span_copy.batch_reuse(batch) if batch is not None else None
+        reuse = batch_state.batch_reuse(batch) if batch is not None else None
         if reuse is not None and reuse.sparse:
             return False
         return vote(*args, **kwargs)

@@ -22,8 +22,6 @@ logged once.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -35,68 +33,18 @@ from semblend_sglang.recompute import RecomputeStrategy
 from ..attention.split_view import check_of, forward_notes
 from ..batch_fields import attention_backend, shrink_batch, shrink_hidden
 from ..request_info import wants_dense_reference
+from .batch_state import batch_reuse
+from .check_state import (
+    Forced,
+    ForwardCheck,
+    Recheck,
+    RequestCheck,
+    drop_unchosen,
+    request_starts,
+    tail_rows,
+)
 from .engine_facts import CheckReports
 from .request_reuse import CheckOutcome
-from .span_copy import batch_reuse
-
-
-@dataclass
-class _Recheck:
-    """A request's second check: ``rows`` (in the forward's current rows) kept by the first,
-    of which ``count`` are kept; the first check's quality-gate ``residual``."""
-
-    rows: torch.Tensor
-    count: int
-    residual: float
-
-
-@dataclass
-class _RequestCheck:
-    """One request's check in a forward: its repair ``settings``, its ``recheck_layer``."""
-
-    index: int
-    rid: str
-    offsets: torch.Tensor
-    final: bool
-    reference: bool
-    reused: int
-    pinned: torch.Tensor
-    spans: int
-    settings: Config
-    recheck_layer: int | None = None
-    recheck: _Recheck | None = None
-
-    def outcome(
-        self, recomputed: int, gated: bool, residual: float, rechecked: bool = False
-    ) -> CheckOutcome:
-        return CheckOutcome(self.rid, recomputed, gated, residual, self.final, rechecked)
-
-
-@dataclass
-class _Forced:
-    """Dense reference rows (in the forward's current rows) whose K/V are the donor's, read
-    from ``slots``, in every layer after ``after``."""
-
-    after: int
-    rows: torch.Tensor
-    slots: torch.Tensor
-
-
-@dataclass
-class _ForwardCheck:
-    """One forward's check: armed by ``ForwardBatch.init_new``, bound to the forward whose
-    extend lengths are ``extend_lens``. ``select_at``: the layer whose attention selects next
-    (None: no more); ``keep``: the rows that stay after layer ``shrink_at``; ``lens``: the
-    per-request rows of the forward now; ``forced``: dense reference rows on donor K/V."""
-
-    requests: list[_RequestCheck]
-    extend_lens: tuple[int, ...]
-    select_at: int | None = None
-    keep: torch.Tensor | None = None
-    shrink_at: int | None = None
-    lens: tuple[int, ...] = ()
-    positions: torch.Tensor | None = None
-    forced: list[_Forced] = field(default_factory=list)
 
 
 class LayerHook:
@@ -118,7 +66,7 @@ class LayerHook:
         self.recheck_layer = self.recheck_layer_of(config)
         """The second check's layer of the server's settings (None: one check)."""
         self.last_layer = len(layers) - 1
-        self.armed: _ForwardCheck | None = None
+        self.armed: ForwardCheck | None = None
         self._wrapped: list[Any] = []
         for i, layer in enumerate(layers):
             self._wrap_layer(i, layer)
@@ -147,7 +95,7 @@ class LayerHook:
                 settings = self.flow.config if cand.settings is None else cand.settings
                 rechecks = cand.spans > settings.recompute_check_max_spans
                 requests.append(
-                    _RequestCheck(
+                    RequestCheck(
                         i,
                         req.rid,
                         cand.offsets,
@@ -161,10 +109,10 @@ class LayerHook:
                     )
                 )
         if requests:
-            self.armed = _ForwardCheck(requests, tuple(int(x) for x in lens))
+            self.armed = ForwardCheck(requests, tuple(int(x) for x in lens))
 
-    def _take(self, forward_batch: Any, layer: int) -> _ForwardCheck | None:
-        check = cast("_ForwardCheck | None", check_of(forward_batch))
+    def _take(self, forward_batch: Any, layer: int) -> ForwardCheck | None:
+        check = cast("ForwardCheck | None", check_of(forward_batch))
         if check is not None or layer != 0 or self.armed is None:
             return check
         armed, self.armed = self.armed, None
@@ -174,11 +122,11 @@ class LayerHook:
                 "check_layer", RuntimeError("the forward is not the batch that armed the check")
             )
             return None
-        starts = _request_starts(armed)
+        starts = request_starts(armed)
         pins = [starts[rc.index] + rc.pinned for rc in armed.requests if rc.pinned.numel()]
         if pins:
             rows = torch.cat(pins).to(forward_batch.out_cache_loc.device)
-            armed.forced.append(_Forced(-1, rows, forward_batch.out_cache_loc[rows]))
+            armed.forced.append(Forced(-1, rows, forward_batch.out_cache_loc[rows]))
         armed.select_at = self.check_layer
         armed.lens = armed.extend_lens
         forward_notes(forward_batch).check = armed
@@ -212,7 +160,7 @@ class LayerHook:
         attn_orig = attn.forward
 
         def attn_forward(q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kw: Any) -> Any:
-            check = cast("_ForwardCheck | None", check_of(forward_batch))
+            check = cast("ForwardCheck | None", check_of(forward_batch))
             if check is not None and k is not None:
                 if index == check.select_at:
                     select = hook._select if index == hook.check_layer else hook._recheck
@@ -240,7 +188,7 @@ class LayerHook:
 
     # ------------------------------------------------------------------ the check
     def _select(
-        self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
+        self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: ForwardCheck
     ) -> None:
         """Score each request's candidates at the check layer (before it writes its K/V),
         select (a request with a second check: ``recompute_recheck_width`` times its budget),
@@ -250,7 +198,7 @@ class LayerHook:
         k3 = k.reshape(n, attn.tp_k_head_num, -1)
         v3 = v.reshape(n, attn.tp_v_head_num, -1)
         device = k.device
-        starts = _request_starts(check)
+        starts = request_starts(check)
         keep = torch.ones(n, dtype=torch.bool, device=device)
         forced: list[torch.Tensor] = []
         reports: list[CheckOutcome] = []
@@ -260,7 +208,7 @@ class LayerHook:
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             scores = deviation
             if config.recompute_strategy is RecomputeStrategy.QUERY:
-                tail = _tail_rows(
+                tail = tail_rows(
                     starts[rc.index], check.extend_lens[rc.index], rc.offsets, rc.pinned
                 )
                 q3 = q.reshape(n, attn.tp_q_head_num, -1)
@@ -289,16 +237,16 @@ class LayerHook:
                 ).recompute
                 count = min(int(rows.numel()), recompute.budget(rc.reused, config.recompute_ratio))
                 if wide.numel() > count:  # else it is the budget (width 1, or every candidate)
-                    rc.recheck = _Recheck(rows[wide], count, selection.residual_deviation)
+                    rc.recheck = Recheck(rows[wide], count, selection.residual_deviation)
                 chosen = wide
-            _drop_unchosen(rc, rows, chosen, keep, forced)
+            drop_unchosen(rc, rows, chosen, keep, forced)
             if rc.recheck is None:
                 count = int(chosen.numel())
                 reports.append(rc.outcome(count, selection.gated, selection.residual_deviation))
         self._kept(check, keep, forced, forward_batch, reports, self.check_layer)
 
     def _recheck(
-        self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: _ForwardCheck
+        self, attn: Any, q: Any, k: Any, v: Any, forward_batch: Any, check: ForwardCheck
     ) -> None:
         """At a second check layer (before it writes its K/V): of the rows each request
         rechecked at this layer kept at its first check, keep its budget by their K/V
@@ -319,7 +267,7 @@ class LayerHook:
             rows = recheck.rows
             deviation = self._deviation(attn, k3, v3, rows, forward_batch)
             chosen = recompute.top(deviation, recheck.count)
-            _drop_unchosen(rc, rows, chosen, keep, forced)
+            drop_unchosen(rc, rows, chosen, keep, forced)
             reports.append(rc.outcome(recheck.count, False, recheck.residual, rechecked=True))
         self._kept(check, keep, forced, forward_batch, reports, layer)
 
@@ -337,7 +285,7 @@ class LayerHook:
 
     def _kept(
         self,
-        check: _ForwardCheck,
+        check: ForwardCheck,
         keep: torch.Tensor,
         forced: list[torch.Tensor],
         forward_batch: Any,
@@ -349,11 +297,11 @@ class LayerHook:
         check.keep = keep
         if forced:
             rows = torch.cat(forced)
-            check.forced.append(_Forced(layer, rows, forward_batch.out_cache_loc[rows]))
+            check.forced.append(Forced(layer, rows, forward_batch.out_cache_loc[rows]))
         for outcome in reports:
             self.flow.checked(outcome)
 
-    def _settle(self, check: _ForwardCheck) -> None:
+    def _settle(self, check: ForwardCheck) -> None:
         """After the last layer: a second check that did not run (an error before it) reports
         what the first kept, all of it computed since."""
         for rc in check.requests:
@@ -363,7 +311,7 @@ class LayerHook:
                 self.flow.checked(rc.outcome(count, False, recheck.residual))
 
     def _shrink(
-        self, out: Any, positions: torch.Tensor, forward_batch: Any, check: _ForwardCheck
+        self, out: Any, positions: torch.Tensor, forward_batch: Any, check: ForwardCheck
     ) -> Any:
         """After a check layer: drop the rows it did not keep from the hidden states and the
         forward batch (later layers get ``check.positions``); the rows still to be rechecked
@@ -406,44 +354,8 @@ class LayerHook:
         return k3.reshape(k.shape), v3.reshape(v.shape)
 
 
-# -------------------------------------------------------------------------- helpers
-def _request_starts(check: _ForwardCheck) -> list[int]:
-    """The first row of each of the batch's requests in the forward of ``check`` (before the
-    check layer), by request index."""
-    return [0, *itertools.accumulate(check.extend_lens[:-1])]
-
-
-def _drop_unchosen(
-    rc: _RequestCheck,
-    rows: torch.Tensor,
-    chosen: torch.Tensor,
-    keep: torch.Tensor,
-    forced: list[torch.Tensor],
-) -> None:
-    """The ``rows`` of request ``rc`` not at the indices ``chosen`` leave the batch after this
-    check (False in ``keep``), or, for a dense reference, stay on the donor's K/V (``forced``)."""
-    dropped = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
-    dropped[chosen] = False
-    if rc.reference:
-        forced.append(rows[dropped])
-    else:
-        keep[rows[dropped]] = False
-
-
 def _radix_attention(layer: Any) -> Any:
     found = [m for m in layer.modules() if type(m).__name__ == "RadixAttention"]
     if len(found) != 1:
         raise TypeError(f"{type(layer).__name__} has {len(found)} RadixAttention modules")
     return found[0]
-
-
-def _tail_rows(
-    start: int, length: int, offsets: torch.Tensor, pinned: torch.Tensor
-) -> torch.Tensor:
-    """The last :data:`~semblend_sglang.recompute.QUERY_TAIL_TOKENS` rows of a request's
-    segment that are neither candidates nor pinned (the prompt's own tail)."""
-    mine = torch.ones(length, dtype=torch.bool)
-    mine[offsets] = False
-    mine[pinned] = False
-    rows = torch.nonzero(mine).flatten()[-recompute.QUERY_TAIL_TOKENS :]
-    return rows + start

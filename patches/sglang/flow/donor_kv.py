@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from semblend_sglang.config import Config
+from semblend_sglang.lookup_params import DonorAlive
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason
 from semblend_sglang.provider import SemanticProvider
@@ -282,6 +283,23 @@ class DonorKV:
             self.counts.matched += 1
             path = torch.cat([path, held.slots[: donor_end - held.held_from].cpu()])
         return DonorMatch(DonorSlots(path, node))
+
+    def liveness(self, cache: Any, namespace: Namespace) -> DonorAlive | None:
+        """The provider's liveness check of candidate donors in ``cache`` under ``namespace``:
+        a held donor keeps its whole prompt (its head's slots are checked at the copy); any
+        other has the leading tokens the tree still holds, on the device or in host memory
+        (SGLang's load-back brings those back). None where the version reads none: the copy
+        finds evicted donors."""
+        view = self._view
+        if not view.checks_donor_liveness:
+            return None
+
+        def alive(handle: Any, tokens: Any) -> int:
+            if self.holds(cache, handle):
+                return len(tokens)
+            return view.cached_len(cache, tokens, namespace)
+
+        return alive
 
     def holds(self, cache: Any, handle: Hashable) -> bool:
         """True while ``cache``'s held store keeps donor ``handle``."""

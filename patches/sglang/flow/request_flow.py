@@ -18,25 +18,23 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from semblend_sglang.config import Config
-from semblend_sglang.kernels import RopeSpec
-from semblend_sglang.lookup_params import DonorAlive, LookupParams
+from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.plan import Reason, ReusePlan
 from semblend_sglang.recompute import RecomputeStrategy, head_lengths
 from semblend_sglang.request_settings import RequestSettings
 
-from ..attention import backends
 from ..request_info import (
     eligible,
     namespace_for,
     reuse_settings,
-    served_model_path,
 )
 from ..runtime import SemblendRuntime
 from ..version_view import VersionView
-from . import span_copy
+from . import batch_state, span_copy
 from .donor_kv import DonorKV
 from .engine_facts import EngineFacts
+from .engine_support import EngineSupport
 from .request_reuse import CheckOutcome, RequestReuse
 
 _T = TypeVar("_T")
@@ -65,9 +63,8 @@ class RequestFlow:
         self.donors = DonorKV(runtime.provider, config, view)
         self._engine = EngineFacts()
         runtime.report_flow(self._snapshot_part)
-        self.backend_ok: bool | None = None
-        """Whether the model runner's attention backend runs a sparse extend (None until the
-        first forward shows it)."""
+        self.support = EngineSupport(runtime, view)
+        """Whether this server's cache, pool, RoPE and attention backend take reused KV."""
 
     # ----------------------------------------------------------------- start-up
     def engine_started(self, facts: EngineFacts) -> None:
@@ -156,13 +153,13 @@ class RequestFlow:
                 exact_len,
                 rid,
                 int(cache.page_size),
-                self._donor_alive(cache, namespace),
+                self.donors.liveness(cache, namespace),
             )
         )
         if decision.kind != "plan" or decision.plan is None:
             return None
         state = self.start(rid, namespace, decision.plan, settings)
-        if not self._cache_supported(cache):
+        if not self.support.cache_supported(cache):
             self.decline(rid, Reason.UNSUPPORTED_CACHE)
             return None
         if state.spans[-1].target_end <= exact_len:
@@ -200,50 +197,6 @@ class RequestFlow:
         self.requests[rid] = state
         return state
 
-    def _donor_alive(self, cache: Any, namespace: Namespace) -> DonorAlive | None:
-        """The provider's liveness check of candidate donors: a held donor keeps its whole
-        prompt (its head's slots are checked at the copy); any other has the leading tokens the
-        tree still holds, on the device or in host memory (SGLang's load-back brings those
-        back). None where the version reads none: the copy finds evicted donors."""
-        view, donors = self.view, self.donors
-        if not view.checks_donor_liveness:
-            return None
-
-        def alive(handle: Any, tokens: Any) -> int:
-            if donors.holds(cache, handle):
-                return len(tokens)
-            return view.cached_len(cache, tokens, namespace)
-
-        return alive
-
-    def _cache_supported(self, cache: Any) -> bool:
-        """The adapter serves the cache, its pool can take reused KV, and the attention backend
-        runs a sparse extend (the server's, at start-up; the model runner's, from its first
-        forward)."""
-        return (
-            self.view.serves(cache)
-            and self.pool_supported(cache)
-            and backends.attention_supported()
-            and self.backend_ok is not False
-        )
-
-    def pool_supported(self, cache: Any) -> bool:
-        """The KV-pool conditions of every version: per-layer
-        K/V buffers stored in their own dtype (no fp8) and a RoPE the kernels support for the
-        served model. Any page size where the version is ``paged``: spans are copied per token
-        into the request's own fresh slots, and the tree publishes and frees whole pages."""
-        pool = cache.token_to_kv_pool_allocator.get_kvcache()
-        return (
-            (self.view.paged or int(cache.page_size) == 1)
-            and isinstance(getattr(pool, "k_buffer", None), list)
-            and getattr(pool, "store_dtype", None) == getattr(pool, "dtype", None)
-            and self.rope_spec() is not None
-        )
-
-    def rope_spec(self) -> RopeSpec | None:
-        """RoPE of the served model (None: not supported; logged once by the runtime)."""
-        return self.runtime.rope_spec(served_model_path())
-
     def selects_at_check_layer(self, state: RequestReuse) -> bool:
         """True when ``state``'s strategy selects at a check layer and the served model's
         layers take the hook. While no model is known (the cache without an engine) such a
@@ -270,7 +223,7 @@ class RequestFlow:
         states = {r.rid: s for r in batch.reqs if (s := self.requests.get(r.rid)) is not None}
         if not peers and not states:
             return
-        spec = self.rope_spec()
+        spec = self.support.rope_spec()
         for state in states.values():
             refused = None if spec is not None else Reason.UNSUPPORTED_CACHE
             if self._engine.layer_check is False and state.checks_at_layer:
@@ -334,30 +287,26 @@ class RequestFlow:
         forward learns the attention backend; SGLang's KV canary, where it runs, notes the
         batch; a check layer is armed; a batch with sparse requests gets their true positions (a
         decode forward forgets them). Raises the ``ValueError`` of
-        :func:`.span_copy.forward_positions` when that batch's lengths and positions disagree:
+        :func:`.batch_state.forward_positions` when that batch's lengths and positions disagree:
         its KV is copied, no normal path is left (:mod:`.adapter`)."""
-        if self.backend_ok is None:
-            self.guarded("backend", None, None, self._check_backend, model_runner)
+        if self.support.backend_ok is None:
+            self.guarded("backend", None, None, self.support.learn_backend, model_runner)
         canary = self._engine.canary  # sglang's KV canary (kv_canary_record.py)
         if canary is not None:
             self.guarded("kv_canary", None, None, canary.note, batch, forward_batch)
         hook = self._engine.check_hook
-        reuse = span_copy.batch_reuse(batch)
+        reuse = batch_state.batch_reuse(batch)
         if reuse is None:
             return
         if hook is not None and reuse.candidates:
             self.guarded("arm", None, None, hook.arm, batch, forward_batch)
         if reuse.sparse and forward_batch.positions is not None:
             if forward_batch.forward_mode.is_decode_or_idle():
-                span_copy.clear(batch)
+                batch_state.clear(batch)
             else:
-                forward_batch.positions = span_copy.forward_positions(
+                forward_batch.positions = batch_state.forward_positions(
                     batch, forward_batch.positions
                 )
-
-    def _check_backend(self, model_runner: Any) -> None:
-        """Set :attr:`backend_ok` from the model runner's attention backend."""
-        self.backend_ok = backends.runner_supported(model_runner)
 
     # ----------------------------------------------------------------- 5. publish cap
     def publish_limit(self, rid: str | None, up_to: int) -> int:

@@ -5,11 +5,10 @@ Called after ``ScheduleBatch.prepare_for_extend`` (which laid each request's ``r
 out in position order with fresh slots for [prefix_len, extend_end)): for each request with an
 open plan, the parts of its spans inside this chunk are copied from their donors into the fresh
 slots at those positions (K rotated by each span's delta; all spans of the batch in one kernel
-launch), and the batch's computed tokens (``prefill_input_ids_cpu``, ``out_cache_loc``,
-``extend_lens``, ``extend_num_tokens``, ``extend_logprob_start_lens``) drop those positions.
-``prefix_lens``, ``seq_lens`` and the rows stay as they are. The true positions of the computed
-tokens are kept on the batch (:class:`BatchReuse`) for :func:`forward_positions`, which
-``ForwardBatch.init_new`` uses; the attention backend then masks by position.
+launch), and the batch's computed tokens drop those positions
+(:func:`.batch_fields.keep_scheduled_tokens`). The true positions of the computed tokens are kept
+on the batch (:class:`.batch_state.BatchReuse`) for ``ForwardBatch.init_new``
+(:func:`.batch_state.forward_positions`); the attention backend then masks by position.
 
 The last position of every chunk is always computed: a chunk never has nothing to compute, and
 the final chunk computes the last prompt token (the logits). Positions whose input-token
@@ -35,62 +34,15 @@ from typing import Any
 import torch
 
 from semblend_sglang.align import Span
-from semblend_sglang.config import Config
 from semblend_sglang.plan import Reason
 from semblend_sglang.recompute import CheckSampling
 
-from .. import rank_agreement
+from .. import batch_fields, rank_agreement
 from ..request_info import sparse_extend_refusal, wants_dense_reference
 from ..version_view import VersionView
+from .batch_state import CheckCandidates, own_batch_reuse
 from .donor_kv import DonorKV, DonorMatchParams
 from .request_reuse import RequestReuse
-
-BATCH_ATTR = "_semblend_batch"
-"""ScheduleBatch attribute: its :class:`BatchReuse` (None, or absent, for a batch with none)."""
-
-
-@dataclass(frozen=True)
-class CheckCandidates:
-    """One request's copied positions in a batch that selects at the check layer: ``offsets``
-    into the request's computed tokens of this chunk (CPU int64, ascending) of the positions
-    scored there (all copied positions, or their :func:`~semblend_sglang.recompute.check_sample`);
-    ``final``: the chunk ends the prompt (the outcome is recorded at the check); ``reused``:
-    every position the request copied in this chunk (the budget's base); ``pinned``: offsets of
-    copied positions left out of the sample that a dense reference still computes (their K/V
-    forced to the donor's in every layer; empty otherwise); ``spans``: the plan's spans (whether
-    a second check applies); ``settings``: the request's repair settings (None: the
-    server's)."""
-
-    offsets: torch.Tensor
-    final: bool
-    reused: int
-    pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    spans: int = 1
-    settings: Config | None = None
-
-
-@dataclass
-class BatchReuse:
-    """What one prepared batch carries for its sparse requests until its forward:
-    ``sparse``: {rid: true positions of its computed tokens (CPU int64)};
-    ``candidates``: {rid: :class:`CheckCandidates`} of the requests selected at the check
-    layer (:mod:`.check_layer`)."""
-
-    sparse: dict[str, torch.Tensor] = field(default_factory=dict)
-    candidates: dict[str, CheckCandidates] = field(default_factory=dict)
-
-
-def batch_reuse(batch: Any) -> BatchReuse | None:
-    """``batch``'s :class:`BatchReuse`, or None when it has none."""
-    return getattr(batch, BATCH_ATTR, None)
-
-
-def _own_batch_reuse(batch: Any) -> BatchReuse:
-    found = batch_reuse(batch)
-    if found is None:
-        found = BatchReuse()
-        setattr(batch, BATCH_ATTR, found)
-    return found
 
 
 @dataclass(frozen=True)
@@ -143,9 +95,10 @@ def load_batch_spans(params: LoadParams) -> LoadResult:
     """Copy the reused spans of ``params.batch`` (after ``prepare_for_extend``) and make its
     extend sparse; with ``check``, a plan whose strategy selects at a check layer keeps its
     check sample's copied positions computed, as the batch's check candidates
-    (:class:`BatchReuse`). A span whose donor KV is not on the device (``match_donor``) is
-    computed instead. Each plan advances through its own transitions (loaded, skipped; at its
-    last chunk complete or decline); the caller drops the plans that ended.
+    (:class:`.batch_state.BatchReuse`). A span whose donor KV is not on the device
+    (``match_donor``) is computed instead. Each plan advances through its own transitions
+    (loaded, skipped; at its last chunk complete or decline); the caller drops the plans that
+    ended.
 
     With ``peers`` the caller calls this for *every* prefill batch, planned or not, and the copy
     outcome is agreed across the ranks before the batch changes; an error in the copy is then
@@ -334,28 +287,20 @@ def _sparsify(batch: Any, masks: dict[int, tuple[_RequestLoad, torch.Tensor]]) -
     copied = {i: (ld, m) for i, (ld, m) in masks.items() if ld.copied and not bool(m.all())}
     if not copied:
         return
-    ids = batch.prefill_input_ids_cpu
-    loc = batch.out_cache_loc
-    ext = list(batch.extend_lens)
-    keep = torch.ones(int(ids.numel()), dtype=torch.bool)
-    sparse = _own_batch_reuse(batch).sparse
+    old = [int(n) for n in batch.extend_lens]
+    ext = list(old)
+    keep = torch.ones(int(batch.prefill_input_ids_cpu.numel()), dtype=torch.bool)
+    sparse = own_batch_reuse(batch).sparse
     start = 0
     for i in range(len(batch.reqs)):
         found = copied.get(i)
         if found is not None:
             load, mask = found
-            keep[start : start + ext[i]] = mask
+            keep[start : start + old[i]] = mask
             sparse[load.req.rid] = torch.arange(load.lo, load.hi, dtype=torch.int64)[mask]
-            tail = ext[i] - int(batch.extend_logprob_start_lens[i])
             ext[i] = int(mask.sum())
-            batch.extend_logprob_start_lens[i] = ext[i] - tail
-        start += int(batch.extend_lens[i])
-    new_ids = torch.empty(int(keep.sum()), dtype=ids.dtype, pin_memory=ids.is_pinned())
-    torch.masked_select(ids, keep, out=new_ids)  # into pinned memory: the H2D copy stays async
-    batch.prefill_input_ids_cpu = new_ids
-    batch.out_cache_loc = loc[keep.to(loc.device)]
-    batch.extend_lens = ext
-    batch.extend_num_tokens = sum(ext)
+        start += old[i]
+    batch_fields.keep_scheduled_tokens(batch, keep, ext)
 
 
 def _record_candidates(batch: Any, loads: list[_RequestLoad], checked: set[int]) -> None:
@@ -370,7 +315,7 @@ def _record_candidates(batch: Any, loads: list[_RequestLoad], checked: set[int])
             continue
         if not load.copied:
             continue
-        found = _own_batch_reuse(batch).candidates
+        found = own_batch_reuse(batch).candidates
         config = load.state.settings.config
         copied = ~_computed_mask(load)
         sampled = _check_sample_mask(load, CheckSampling.of(config))
@@ -414,37 +359,3 @@ def _advance(load: _RequestLoad, deferred: bool = False) -> int:
         else:
             state.decline(load.missed or Reason.SPANS_TRIMMED_AWAY)
     return state.recomputed - recomputed
-
-
-def forward_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor | None:
-    """The true positions of ``batch``'s computed tokens when it holds sparse requests (None
-    otherwise): a sparse request's kept positions, ``arange(prefix, prefix + extend)`` for any
-    other request (decode rows mixed in included). ``positions`` is what sglang computed; the
-    result has its length, dtype and device. Raises ValueError when the batch's lengths and
-    ``positions`` disagree."""
-    found = batch_reuse(batch)
-    sparse = None if found is None else found.sparse
-    if not sparse:
-        return None
-    parts: list[torch.Tensor] = []
-    for i, req in enumerate(batch.reqs):
-        mine = sparse.get(req.rid)
-        ext = int(batch.extend_lens[i])
-        if mine is not None and int(mine.numel()) == ext:
-            parts.append(mine)
-        else:
-            pre = int(batch.prefix_lens[i])
-            parts.append(torch.arange(pre, pre + ext, dtype=torch.int64))
-    out = torch.cat(parts)
-    if out.numel() != positions.numel():
-        raise ValueError(
-            f"sparse positions ({out.numel()}) and the batch's tokens ({positions.numel()}) differ"
-        )
-    return out.to(device=positions.device, dtype=positions.dtype, non_blocking=True)
-
-
-def clear(batch: Any) -> None:
-    """Forget ``batch``'s sparse positions and check candidates (it is about to be prepared for
-    another step, or its forward is a decode)."""
-    if batch_reuse(batch) is not None:
-        setattr(batch, BATCH_ATTR, None)
