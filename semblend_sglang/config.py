@@ -10,10 +10,8 @@ Precedence (lowest to highest): built-in defaults < environment < JSON object
 raises :class:`ConfigError` naming the key, the value and what is allowed. Unknown SEMBLEND_*
 variables and unknown JSON keys are logged once and listed in ``Config.unknown_keys``.
 
-``discovery_only`` (SEMBLEND_DISCOVERY_ONLY, JSON ``discovery_only``, ``--semblend-discovery-only``)
-is a shorthand for ``mode=discovery_only`` inside the source that sets it: true selects that mode;
-true together with another mode in the same source is a ConfigError; false together with
-``mode=discovery_only`` in the same source is a ConfigError; false alone changes nothing.
+``discovery_only`` is a source-level shorthand for ``mode=discovery_only``
+(:mod:`.discovery_shorthand`).
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from .config_fields import (
     setting,
     specs_of,
 )
+from .discovery_shorthand import resolve_discovery_only, with_discovery_only
 from .presets import DEFAULT_PRESET, PRESETS, TUNING_SETTINGS
 from .recompute_strategy import RecomputeStrategy, ReuseMode
 
@@ -60,30 +59,6 @@ EMBEDDERS = ("minilm", "jaccard", "none")
 
 OTHER_SEMBLEND_ENV = frozenset({"SEMBLEND_MODEL_CACHE"})
 """SEMBLEND_* variables owned by other parts of the project (not Config fields, not unknown)."""
-
-
-def _resolve_layer(layer: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
-    """Fold ``discovery_only`` into ``mode`` inside one source (see module docstring)."""
-    if "discovery_only" not in layer:
-        return layer
-    out = dict(layer)
-    flag = out.pop("discovery_only")
-    mode = out.get("mode")
-    if flag:
-        if mode is not None and mode != "discovery_only":
-            raise ConfigError(
-                keys["discovery_only"],
-                True,
-                f"false when {keys['mode']}={mode!r} is set in the same source",
-            )
-        out["mode"] = "discovery_only"
-    elif mode == "discovery_only":
-        raise ConfigError(
-            keys["discovery_only"],
-            False,
-            f"true (or unset) when {keys['mode']}='discovery_only' is set in the same source",
-        )
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,27 +362,13 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.StrEnum) else value
 
 
-DISCOVERY_ONLY = FieldSpec(
-    "discovery_only",
-    bool,
-    False,
-    "Shorthand for mode=discovery_only (conflicting with another mode is an error).",
-)
-"""Not a Config field: a source-level shorthand folded into ``mode`` (module docstring)."""
-
-
-def _with_shorthand(specs: list[FieldSpec]) -> tuple[FieldSpec, ...]:
-    at = next(i for i, spec in enumerate(specs) if spec.name == "mode") + 1
-    return (*specs[:at], DISCOVERY_ONLY, *specs[at:])
-
-
 FIELDS: tuple[FieldSpec, ...] = tuple(
     replace(spec, tuning=spec.name in TUNING_SETTINGS)
-    for spec in _with_shorthand(list(specs_of(Config)))
+    for spec in with_discovery_only(list(specs_of(Config)))
 )
 """Every setting a source may set: the Config fields in declaration order, with
 ``discovery_only`` after ``mode``."""
-SOURCES = SourceFields(FIELDS, _resolve_layer, OTHER_SEMBLEND_ENV)
+SOURCES = SourceFields(FIELDS, resolve_discovery_only, OTHER_SEMBLEND_ENV)
 """How each source names the settings (``Config.from_sources``)."""
 FIELDS_BY_NAME: dict[str, FieldSpec] = SOURCES.by_name
 FIELDS_BY_ENV: dict[str, FieldSpec] = SOURCES.by_env

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from .align import AlignLimits, Span, measured_align
+from .anchors import Anchors
+
 WORK_UNITS_PER_MS = 1_000_000
 """Work units in one millisecond of the reference CPU (one unit is about a nanosecond). The
 per-step costs below were measured there (2-core AMD EPYC, AVX2, numpy; ``python -m
@@ -101,3 +106,33 @@ class LookupBudget:
         unused_pairs = charge.pairs - min(max(pair_work, 0), charge.pairs)
         unused_diagonals = charge.diagonals - min(max(diagonals, 0), charge.diagonals)
         self.remaining += unused_pairs * ANCHOR_PAIR_UNITS + unused_diagonals * charge.per_diagonal
+
+    def align(
+        self, region: np.ndarray, donor: np.ndarray, anchors: Anchors, min_length: int
+    ) -> tuple[Span, ...] | None:
+        """Align ``region`` (whose ``anchors`` are given) with ``donor``, spans of at least
+        ``min_length``, within the limits the remaining budget affords (charged up front, the
+        unused part refunded after), or None (nothing charged) when not even one diagonal
+        fits."""
+        default = AlignLimits()
+        charge = self.align_limits(
+            int(region.size),
+            int(donor.size),
+            default.max_anchor_pairs or 1,
+            default.max_diagonals or 1,
+        )
+        if charge is None:
+            return None
+        found = measured_align(
+            region,
+            donor,
+            min_length=min_length,
+            target_anchors=anchors,
+            limits=AlignLimits(
+                max_anchor_pairs=charge.pairs,
+                max_diagonals=charge.diagonals,
+                max_shared_probes=charge.pairs,
+            ),
+        )
+        self.refund_alignment(charge, found.pair_work, found.diagonals)
+        return found.spans

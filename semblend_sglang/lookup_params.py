@@ -20,6 +20,11 @@ DonorAlive = Callable[[Hashable, np.ndarray], int]
 """How many leading tokens of donor ``handle`` (given its tokens) the engine still holds KV for;
 asked per candidate during a lookup, so that an evicted donor is forgotten and the next candidate
 tried, and a partly evicted one is aligned over what is left."""
+DonorGone = Callable[[Hashable], None]
+"""Told of a candidate donor a lookup found gone (fewer than ``min_span_tokens`` tokens alive, or
+none from the token source): the engine's owner of donors forgets it everywhere it keeps
+something of it, the provider's index included (:meth:`SemanticProvider.forget
+<semblend_sglang.provider.SemanticProvider.forget>`). May not raise."""
 Detokenize = Callable[[Sequence[int]], str]
 """Turns token ids back into text (only for the embedder)."""
 
@@ -30,7 +35,9 @@ class LookupParams:
     engine's own exact prefix hit ``exact_len``. ``request_id=None`` keeps no decision;
     ``page_size`` is the engine's KV page size (plans are page-aligned on the target side);
     ``alive`` counts a candidate donor's leading tokens whose KV the engine still holds (None:
-    every indexed donor is taken as whole; the engine finds out at its copy)."""
+    every indexed donor is taken as whole; the engine finds out at its copy); ``gone`` is told of
+    each candidate found gone (None: the provider forgets it itself, for engines that keep
+    nothing of a donor beside the provider)."""
 
     namespace: Namespace
     token_ids: Sequence[int] | np.ndarray
@@ -38,3 +45,4 @@ class LookupParams:
     request_id: Hashable | None = None
     page_size: int = 1
     alive: DonorAlive | None = None
+    gone: DonorGone | None = None

@@ -135,6 +135,18 @@ class Decision:
         return Decision(DecisionKind.DECLINE, reason, None, evidence)
 
 
+def plans_several_donors(config: Config) -> bool:
+    """True when a lookup under ``config`` may cover one target with spans of several donors
+    (``max_plan_donors`` > 1, and neither a strict prefix boundary, substitute mode nor
+    embedding discovery, which judge one donor at a time)."""
+    return (
+        config.max_plan_donors > 1
+        and not config.strict_prefix_boundary
+        and config.mode != "substitute"
+        and not (config.discovery_only and config.embed_discovery)
+    )
+
+
 def prefilter(config: Config, n_tokens: int, exact_len: int) -> Decision | None:
     """Gates that need no donor: disabled, prompt too short, exact coverage sufficient.
 

@@ -20,17 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from .align import AlignLimits, Anchors, Span, anchors_of, measured_align
+from .align import Anchors, Span, anchors_of
 from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
 from .config import Config
 from .decisions import MAX_CACHED_REQUESTS, RequestDecisions
+from .donor_record import Candidate
 from .embed import DonorSimilarity, WindowedEmbedder, load_embedder
-from .index import Candidate, TokenIndex
+from .index import TokenIndex
 from .lookup_budget import LookupBudget
-from .lookup_params import Detokenize, DonorAlive, LookupParams, TokenSource
+from .lookup_params import Detokenize, LookupParams, TokenSource
 from .namespace import Namespace
 from .once_log import OnceLog
-from .plan import Decision, Reason, build_plan, cover, prefilter
+from .plan import Decision, Reason, build_plan, cover, plans_several_donors, prefilter
 from .telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,9 @@ class SemanticProvider:
     def lookup(self, params: LookupParams) -> Decision:
         """Decide how request ``params.request_id`` should prefill: exact, plan or decline.
 
-        A candidate donor with fewer than ``min_span_tokens`` tokens ``params.alive`` is
-        forgotten and the next one tried; another is aligned over what is left.
+        A candidate donor with fewer than ``min_span_tokens`` tokens ``params.alive`` is reported
+        to ``params.gone`` (which forgets it) and the next one tried; another is aligned over
+        what is left.
 
         The first decision for a request id is cached until :meth:`release`; later calls return it
         at the cost of a dict lookup (``request_id=None`` disables caching). exact and decline
@@ -145,9 +147,7 @@ class SemanticProvider:
                 return cached
         started = time.perf_counter()
         try:
-            decision = self._decide(
-                params.namespace, params.token_ids, params.exact_len, params.page_size, params.alive
-            )
+            decision = self._decide(params)
         except Exception as exc:
             self._failures.log("lookup", exc)
             self.telemetry.record_error("lookup")
@@ -199,18 +199,12 @@ class SemanticProvider:
         return snap
 
     # ------------------------------------------------------------------ internals
-    def _decide(
-        self,
-        namespace: Namespace,
-        token_ids: Sequence[int],
-        exact_len: int,
-        page_size: int,
-        alive: DonorAlive | None = None,
-    ) -> Decision:
+    def _decide(self, params: LookupParams) -> Decision:
         config = self.config
-        tokens = as_token_array(token_ids)
+        tokens = as_token_array(params.token_ids)
         n = int(tokens.size)
-        exact_len = min(max(int(exact_len), 0), n)
+        exact_len = min(max(int(params.exact_len), 0), n)
+        page_size = params.page_size
         early = prefilter(config, n, exact_len)
         if early is not None:
             return early
@@ -224,7 +218,7 @@ class SemanticProvider:
         if not budget.charge(budget.candidates_cost(len(query), self.index.max_postings_per_key)):
             return Decision.decline(Reason.LOOKUP_BUDGET)
         candidates = self.index.candidates(
-            namespace,
+            params.namespace,
             query,
             limit=config.max_candidates,
             min_shared_tokens=config.min_candidate_tokens,
@@ -232,18 +226,18 @@ class SemanticProvider:
         if not candidates:
             return Decision.decline(Reason.NO_DONOR)
         anchors = anchors_of(region, config.min_span_tokens, prefix=region_prefix)
-        if self._multi_donor():
+        if plans_several_donors(config):
             return self._multi_donor_plan(
-                tokens, region, anchors, exact_len, page_size, candidates, budget, alive
+                tokens, region, anchors, exact_len, page_size, candidates, budget, params
             )
         first_decline: Decision | None = None
         for cand in candidates:
-            donor = self._live_donor_tokens(cand, alive)
+            donor = self._live_donor_tokens(cand, params)
             if donor is None:
                 if first_decline is None:
                     first_decline = Decision.decline(Reason.DONOR_EVICTED)
                 continue
-            found = self._budgeted_align(budget, region, donor, anchors)
+            found = budget.align(region, donor, anchors, self.config.min_span_tokens)
             if found is None:
                 first_decline = first_decline or Decision.decline(Reason.LOOKUP_BUDGET)
                 break
@@ -258,15 +252,6 @@ class SemanticProvider:
         assert first_decline is not None
         return first_decline
 
-    def _multi_donor(self) -> bool:
-        config = self.config
-        return (
-            config.max_plan_donors > 1
-            and not config.strict_prefix_boundary
-            and config.mode != "substitute"
-            and not (config.discovery_only and config.embed_discovery)
-        )
-
     def _multi_donor_plan(
         self,
         tokens: np.ndarray,
@@ -276,7 +261,7 @@ class SemanticProvider:
         page_size: int,
         candidates: list[Candidate],
         budget: LookupBudget,
-        alive: DonorAlive | None = None,
+        params: LookupParams,
     ) -> Decision:
         """Align the region with each candidate (best first) until ``max_plan_donors`` donors
         contributed, nothing long enough is left uncovered or the budget is spent, then cover
@@ -287,11 +272,11 @@ class SemanticProvider:
         covered = np.zeros(region.size, dtype=bool)
         evicted = spent = False
         for cand in candidates:
-            donor = self._live_donor_tokens(cand, alive)
+            donor = self._live_donor_tokens(cand, params)
             if donor is None:
                 evicted = True
                 continue
-            spans = self._budgeted_align(budget, region, donor, anchors)
+            spans = budget.align(region, donor, anchors, self.config.min_span_tokens)
             if spans is None:
                 spent = True
                 break
@@ -321,46 +306,17 @@ class SemanticProvider:
             self.index.touch(handle)
         return decision
 
-    def _budgeted_align(
-        self, budget: LookupBudget, region: np.ndarray, donor: np.ndarray, anchors: Anchors
-    ) -> tuple[Span, ...] | None:
-        """Align ``region`` with ``donor`` within the limits the remaining budget affords
-        (charged up front, the unused part refunded after), or None (nothing charged) when not
-        even one diagonal fits."""
-        default = AlignLimits()
-        charge = budget.align_limits(
-            int(region.size),
-            int(donor.size),
-            default.max_anchor_pairs or 1,
-            default.max_diagonals or 1,
-        )
-        if charge is None:
-            return None
-        found = measured_align(
-            region,
-            donor,
-            min_length=self.config.min_span_tokens,
-            target_anchors=anchors,
-            limits=AlignLimits(
-                max_anchor_pairs=charge.pairs,
-                max_diagonals=charge.diagonals,
-                max_shared_probes=charge.pairs,
-            ),
-        )
-        budget.refund_alignment(charge, found.pair_work, found.diagonals)
-        return found.spans
-
-    def _live_donor_tokens(self, cand: Candidate, alive: DonorAlive | None) -> np.ndarray | None:
-        """The candidate's tokens whose KV the engine still holds, or None (and the donor
-        forgotten) when too few are left to hold a span."""
+    def _live_donor_tokens(self, cand: Candidate, params: LookupParams) -> np.ndarray | None:
+        """The candidate's tokens whose KV the engine still holds (``params.alive``), or None,
+        the donor reported gone (``params.gone``), when too few are left to hold a span or the
+        token source has none."""
         donor = self._donor_tokens(cand)
-        if donor is None or alive is None:
-            return donor
-        left = int(alive(cand.handle, donor))
-        if left < self.config.min_span_tokens:
-            self._drop_donor(cand.handle)
-            return None
-        return donor[:left]
+        if donor is not None and params.alive is not None:
+            left = int(params.alive(cand.handle, donor))
+            donor = donor[:left] if left >= self.config.min_span_tokens else None
+        if donor is None and (cand.tokens is not None or self._token_source is not None):
+            (params.gone or self._drop_donor)(cand.handle)
+        return donor
 
     def _donor_tokens(self, cand: Candidate) -> np.ndarray | None:
         if cand.tokens is not None:
@@ -368,10 +324,7 @@ class SemanticProvider:
         if self._token_source is None:
             return None
         got = self._token_source(cand.handle)
-        if got is None:
-            self._drop_donor(cand.handle)
-            return None
-        return as_token_array(got)
+        return None if got is None else as_token_array(got)
 
     def _plan_for(
         self,

@@ -116,7 +116,9 @@ def test_a_donor_evicted_before_the_lookup_is_skipped_for_the_next_candidate(
 ) -> None:
     """Two donors hold the same document; the newer one (the first candidate) has no KV left in
     the tree (its prompt is registered but was never published here: what an eviction the index
-    has not heard of leaves). The lookup asks the tree, forgets it, and plans from the older."""
+    has not heard of leaves). The lookup asks the tree, forgets it through the flow's DonorKV
+    (its head watch too, not only the index), and plans from the older."""
+    from semblend_sglang.patches.sglang.flow.donor_kv import cache_reuse
     from semblend_sglang.patches.sglang.request_info import namespace_for
 
     h = SglangCacheHarness(HarnessConfig(pool_tokens=8192), model_config)
@@ -127,11 +129,15 @@ def test_a_donor_evicted_before_the_lookup_is_skipped_for_the_next_candidate(
     h.run_until_idle()
     adapter.flow.donors.register(namespace_for(first), "gone", instructions[1] + doc)
     ghost = adapter.flow.donors.handle_of("gone")
+    heads = cache_reuse(h.cache).heads
+    assert heads is not None  # the older donor's head is watched
+    heads.watch(ghost, 0)  # as if its head had been watched before an unheard-of eviction
     assert len(runtime.provider.index) == 2
     target = h.submit(instructions[2] + doc, max_new_tokens=2)
     step_until(h, lambda: materialized(adapter.flow, target.rid))
     state = adapter.flow.requests[target.rid]
     assert ghost not in state.plan.donors and not adapter.flow.donors.is_donor(ghost)
+    assert ghost not in heads  # DonorKV.forget ran, not only the provider's index
     assert [adapter.flow.donors.tokens(d).tolist() for d in state.donors_loaded] == [older]
     assert state.reused_total >= len(doc) - 2 * CONFIG.sink_tokens - 4
     assert check_loaded_kv(h, adapter.flow, target) == state.reused_total

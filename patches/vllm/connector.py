@@ -32,14 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from semblend_sglang.config import ConfigError
 from semblend_sglang.kernels import RopeSpec
 from semblend_sglang.once_log import OnceLog
 
 from . import SUPPORTED_VLLM, installed_vllm_version
+from .engine_checks import check_engine_settings, rope_spec_for, unsupported_reason
 from .metadata import SemBlendConnectorMetadata
-from .scheduler_side import SchedulerSide, unsupported_reason
-from .settings import ConnectorSettings, settings_from_extra_config
+from .scheduler_side import SchedulerSide
+from .settings import settings_from_extra_config
 from .stats import (
     DECLINED_PREFIX,
     OUTCOME_PREFIX,
@@ -76,42 +76,6 @@ def _worker_init_response() -> Any:
 
     cls = getattr(base, "WorkerConnectorInitializationResponse", None)
     return None if cls is None else cls()
-
-
-def check_engine_settings(settings: ConnectorSettings, vllm_config: Any) -> None:
-    """Raise ConfigError for engine settings a materializing mode cannot run safely with."""
-    if not settings.materializes:
-        return
-    kv = vllm_config.kv_transfer_config
-    policy = getattr(kv, "kv_load_failure_policy", "recompute")
-    if policy != "recompute":
-        raise ConfigError(
-            "kv_load_failure_policy",
-            policy,
-            f"'recompute' with mode={settings.mode!r} (a failed semantic load must fall back to "
-            "a normal prefill, not fail the request)",
-        )
-    if (
-        settings.mode == "request_only_experimental"
-        and vllm_config.cache_config.enable_prefix_caching
-    ):
-        raise ConfigError(
-            "mode",
-            settings.mode,
-            "a vLLM engine started with --no-enable-prefix-caching (substituted prefixes must "
-            "not meet vLLM's exact prefix cache)",
-        )
-
-
-def rope_spec_for(vllm_config: Any) -> tuple[RopeSpec | None, str | None]:
-    """The model's RoPE spec from its HF config, or (None, why)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is None:
-        return None, "no model config"
-    try:
-        return RopeSpec.from_hf_config(model_config.hf_config), None
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
 
 
 class SemBlendConnector(KVConnectorBase_V1):

@@ -86,26 +86,6 @@ def eligible(request: Any) -> bool:
     )
 
 
-def unsupported_reason(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """Why this engine's KV cache cannot receive donor KV (None: it can). Checked once."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        return f"{len(groups)} KV cache groups (one full-attention group is supported)"
-    spec = groups[0].kv_cache_spec
-    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
-        return f"KV cache spec {type(spec).__name__} (only FullAttentionSpec is supported)"
-    head_v = getattr(spec, "head_size_v", None)
-    if head_v is not None and head_v != spec.head_size:
-        return f"head_size_v {head_v} != head_size {spec.head_size}"
-    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-    if cache_dtype not in ("auto", None):
-        return f"cache_dtype={cache_dtype!r} (quantized caches are not supported yet)"
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is not None and getattr(model_config, "use_mla", False):
-        return "MLA attention"
-    return None
-
-
 class SchedulerSide:
     """Donor registry, lookup and load planning for one vLLM scheduler.
 

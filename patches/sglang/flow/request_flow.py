@@ -154,6 +154,7 @@ class RequestFlow:
                 rid,
                 int(cache.page_size),
                 self.donors.liveness(cache, namespace),
+                lambda handle: self.donors.forget(handle, cache),
             )
         )
         if decision.kind != "plan" or decision.plan is None:
