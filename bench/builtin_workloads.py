@@ -33,7 +33,14 @@ from typing import Any
 from .essay_pool import REFERENCE_TOKENS, EssayPool, EssaySlice
 from .qa_retrieval import RETRIEVAL_WORKLOAD, build_retrieval_workload
 from .qa_workloads import QA_WORKLOADS, build_qa_workload
-from .workloads import BenchRequest, RequestGroup, Workload, encode, prefix_order
+from .workloads import (
+    BenchRequest,
+    RequestGroup,
+    Workload,
+    adjacent_bounds,
+    encode,
+    prefix_order,
+)
 
 #: Largest difference between a donor's length and ``context_tokens`` (multi_turn donors aside).
 LENGTH_TOLERANCE = 16
@@ -48,9 +55,10 @@ INSTRUCTIONS: tuple[str, ...] = (
     "Write a title for the essay that follows.\n\n",
 )
 
-#: rag: passages per prompt, their label, and the questions put after them.
+#: rag: passages per prompt, their label (the same for every place: a passage may be moved,
+#: :mod:`semblend_sglang.passages`), and the questions put after them.
 RAG_PASSAGES = 4
-RAG_PASSAGE_LABEL = "Passage {k}:\n"
+RAG_PASSAGE_LABEL = "Passage:\n"
 RAG_SEPARATOR = "\n\n"
 RAG_QUESTIONS: tuple[str, ...] = (
     "Question: What do these passages have in common?\nAnswer:",
@@ -154,11 +162,11 @@ def _cross_instruction(
 
 
 def _rag(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> RequestGroup:
-    labels = [encode(tok, RAG_PASSAGE_LABEL.format(k=k + 1)) for k in range(RAG_PASSAGES)]
+    label = encode(tok, RAG_PASSAGE_LABEL)
     sep = encode(tok, RAG_SEPARATOR)
     qd, qp = _two_distinct(rng, len(RAG_QUESTIONS))
     q_donor, q_probe = encode(tok, RAG_QUESTIONS[qd]), encode(tok, RAG_QUESTIONS[qp])
-    overhead = sum(len(label) + len(sep) for label in labels) + len(q_probe)
+    overhead = RAG_PASSAGES * (len(label) + len(sep)) + len(q_probe)
     passages: list[EssaySlice] = []
     for size in _split(ctx - overhead, RAG_PASSAGES):
         passages.append(pool.take(size, avoid=frozenset(p.essay for p in passages)))
@@ -168,8 +176,8 @@ def _rag(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> R
 
     def prompt(perm: list[int], question: tuple[int, ...]) -> tuple[int, ...]:
         out: list[int] = []
-        for k, j in enumerate(perm):
-            out += labels[k] + passages[j].ids + sep
+        for j in perm:
+            out += label + passages[j].ids + sep
         return (*out, *question)
 
     def describe(perm: list[int], q: int) -> str:
@@ -191,6 +199,9 @@ def _rag(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Random) -> R
                 passages[order[-1]].reference,
                 describe(order, qp),
                 reordered_ids=prompt(prefix_order(order, [donor_order]), q_probe),
+                passage_bounds=adjacent_bounds(
+                    0, [len(label) + len(passages[j].ids) + len(sep) for j in order]
+                ),
             ),
         ),
         shared_spans=tuple(p.ids for p in passages),
@@ -201,16 +212,14 @@ def _rag_corpus(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Rando
     """RAG over a shared corpus: the probe's 4 passages were each retrieved by an earlier request
     (a donor), but no donor retrieved all of them; every request has its own instruction,
     passage order and question."""
-    labels = [encode(tok, RAG_PASSAGE_LABEL.format(k=k + 1)) for k in range(RAG_PASSAGES)]
+    label = encode(tok, RAG_PASSAGE_LABEL)
     sep = encode(tok, RAG_SEPARATOR)
     heads = [encode(tok, text) for text in RAG_CORPUS_INSTRUCTIONS]
     questions = [encode(tok, text) for text in RAG_QUESTIONS]
     order = rng.sample(range(len(heads)), RAG_CORPUS_DONORS + 1)  # the probe's head is the last
     asked = [rng.randrange(len(questions)) for _ in order]
     overhead = (
-        len(heads[order[-1]])
-        + sum(len(label) + len(sep) for label in labels)
-        + len(questions[asked[-1]])
+        len(heads[order[-1]]) + RAG_PASSAGES * (len(label) + len(sep)) + len(questions[asked[-1]])
     )
     size = (ctx - overhead) // RAG_PASSAGES
     corpus: list[EssaySlice] = []
@@ -223,8 +232,8 @@ def _rag_corpus(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Rando
 
     def prompt(head: int, picked: list[int], question: int) -> tuple[int, ...]:
         out = list(heads[head])
-        for k, j in enumerate(picked):
-            out += labels[k] + corpus[j].ids + sep
+        for j in picked:
+            out += label + corpus[j].ids + sep
         out += questions[question]
         return tuple(out)
 
@@ -250,13 +259,18 @@ def _rag_corpus(tok: Any, pool: EssayPool, ctx: int, gid: str, rng: random.Rando
     rng.shuffle(probe)
     ids = prompt(order[-1], probe, asked[-1])
     reordered = prompt(order[-1], prefix_order(probe, donor_orders), asked[-1])
+    missing = ctx - len(ids)
     requests.append(
         BenchRequest(
-            _pad(ids, ctx - len(ids), sep),  # the integer division's remainder, in front
+            _pad(ids, missing, sep),  # the integer division's remainder, in front
             "probe",
             corpus[probe[-1]].reference,
             describe(order[-1], probe, asked[-1]),
-            reordered_ids=_pad(reordered, ctx - len(ids), sep),
+            reordered_ids=_pad(reordered, missing, sep),
+            passage_bounds=adjacent_bounds(
+                missing + len(heads[order[-1]]),
+                [len(label) + len(corpus[j].ids) + len(sep) for j in probe],
+            ),
         )
     )
     return RequestGroup(gid, tuple(requests), shared_spans=tuple(corpus[j].ids for j in chosen))

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..passages import ORDER_INFO_KEY, PASSAGES_PARAM
 from .metrics import input_logprobs_from_meta
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -65,19 +66,24 @@ def stream_generate(
     top_logprobs_num: int = 0,
     stop_after_first_token: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
+    custom_params: Mapping[str, Any] | None = None,
 ) -> Streamed:
     """Send one greedy streaming ``/generate`` of ``input_ids`` to the server at ``url`` and read
     the stream (see the module doc). ``return_logprob``: ask for output token logprobs (their ids
     are in ``meta["output_token_logprobs"]``); with ``top_logprobs_num`` > 0 also that many most
     likely tokens at every output position (``meta["output_top_logprobs"]``).
     ``stop_after_first_token``: close the stream at
-    the first token (SGLang then aborts the request). Raises :class:`NoTokenStreamed` when no
-    chunk carried a token, ``httpx.HTTPStatusError`` on an error status."""
+    the first token (SGLang then aborts the request). ``custom_params``: sent as the sampling
+    params' ``custom_params`` when given. Raises :class:`NoTokenStreamed` when no chunk carried
+    a token, ``httpx.HTTPStatusError`` on an error status."""
     import httpx
 
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    if custom_params is not None:
+        sampling["custom_params"] = dict(custom_params)
     payload: dict[str, Any] = {
         "input_ids": list(input_ids),
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "sampling_params": sampling,
         "stream": True,
     }
     if return_logprob:
@@ -248,6 +254,9 @@ class Answer:
     text: str
     margins: tuple[float, ...] = ()
     output_logprobs: tuple[float, ...] = ()
+    passage_order: tuple[int, ...] = ()
+    """The order the server put declared passages in (``meta_info``'s
+    ``semblend_passage_order``); empty when none were declared."""
 
 
 class ServerClient:
@@ -258,10 +267,16 @@ class ServerClient:
         self.timeout = timeout
 
     def generate(
-        self, input_ids: Sequence[int], max_new_tokens: int, *, margins: bool = False
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        margins: bool = False,
+        passages: Sequence[tuple[int, int]] = (),
     ) -> Answer:
         """Greedy streamed generation with output ids (:func:`stream_generate`); ``margins``:
-        also the top-1 / top-2 logprob margin of every output position."""
+        also the top-1 / top-2 logprob margin of every output position; ``passages``: declared
+        as reorderable (``custom_params.semblend_passages``, docs/sglang.md)."""
         got = stream_generate(
             self.url,
             input_ids,
@@ -269,6 +284,7 @@ class ServerClient:
             return_logprob=True,
             top_logprobs_num=2 if margins else 0,
             timeout=self.timeout,
+            custom_params={PASSAGES_PARAM: [list(b) for b in passages]} if passages else None,
         )
         entries = got.meta.get("output_token_logprobs") or []
         ids = tuple(int(entry[1]) for entry in entries)
@@ -280,6 +296,7 @@ class ServerClient:
             text=got.text,
             margins=top2_margins(got.meta) if margins else (),
             output_logprobs=tuple(float(entry[0]) for entry in entries),
+            passage_order=tuple(int(i) for i in got.meta.get(ORDER_INFO_KEY) or ()),
         )
 
     def reference_logprobs(self, prompt: Sequence[int], reference: Sequence[int]) -> list[float]:

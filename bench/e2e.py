@@ -35,6 +35,7 @@ from .systems import (
     DEFAULT_SYSTEMS,
     QUICK_SYSTEMS,
     REORDER,
+    REORDER_SPANS,
     SERVER_ENV,
     SGLANG_DISPATCH,
     SYSTEMS,
@@ -50,7 +51,7 @@ _T = TypeVar("_T")
 FULL_LENGTHS = (512, 1024, 2048)
 QUICK_LENGTHS = (512,)
 DEFAULT_REPEATS = 3
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 """3: summary rows carry ``label`` and ``control``, records ``label`` and ``donors``; a
 ``--workload`` file gives one row per probe label. 4: ``semblend_config`` (system -> the
 settings its server resolved, None when it reported none; semblend systems only); summary rows
@@ -88,7 +89,10 @@ part of ``hook_ms``); summary rows ``_hit_hook_ms`` and ``_hit_copy_ms`` (median
 materialized probes). 15: records carry ``output_logprobs``, ``replay_logprobs`` (repeat 0:
 the answer replayed cold) and, on semblend systems, ``spans``; summary rows carry SGLang's KL
 measure: per semblend system ``_kl``, ``_kl_max``, ``_kl_one_span``, ``_kl_multi_span``, and
-``exact_kl``, ``cold_kl``, ``reorder_kl`` (each with ``_max``)."""
+``exact_kl``, ``cold_kl``, ``reorder_kl`` (each with ``_max``). 16: the ``reorder_spans``
+system (records carry ``passage_order``); summary rows its semblend columns (``reorder_spans_*``),
+``reorder_spans_speedup``, ``reorder_spans_over_reorder``, ``reorder_spans_cached_fraction``,
+``reorder_spans_held_fraction``, ``reorder_spans_reordered``; passage labels name no place."""
 
 
 def environment(model: str, flags: Sequence[str], clients: dict[str, ServerClient]) -> dict:
@@ -241,7 +245,8 @@ def _workload_over_essays(
     f"{','.join(DEFAULT_SYSTEMS)}; with --quick {','.join(QUICK_SYSTEMS)}). "
     f"{SGLANG_DISPATCH}: exact_spans with SGLang's own data-parallel dispatch, to compare with "
     f"exact_spans under --server-arg=--dp-size. {REORDER}: vanilla SGLang sent each probe of "
-    "passages (rag, rag_corpus, the QA workloads) with its passages in a donor's order.",
+    "passages (rag, rag_corpus, the QA workloads) with its passages in a donor's order; "
+    f"{REORDER_SPANS}: semblend sent it as it is with its passages declared.",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--model-path", default=None, help="Model to serve/tokenize (default: SmolLM2).")

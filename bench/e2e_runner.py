@@ -21,6 +21,10 @@ server (unless flushing is off):
 - reorder (a vanilla server; probes with ``reordered_ids`` only): the donors, then the probe with
   its passages reordered (``reordered``: SGLang's exact prefix cache on the lossless rewrite);
   its answer is compared with vanilla's cold run of the original prompt.
+- reorder_spans (a semblend server; probes with ``passage_bounds`` only): the donors, then the
+  probe as it is with its passages declared (``semantic``, with the snapshot's counters as for
+  exact_spans, and the ``passage_order`` the server chose); its answer is compared with
+  vanilla's cold run of the original prompt, its KL replay runs after the prompt the model saw.
 
 With ``answers_only`` (a quality run: one repeat) only the requests whose answers are scored are
 sent: the semblend systems' donors and probe, vanilla's cold probe and reorder's; no ``prefix``,
@@ -45,8 +49,8 @@ from .client import Answer, ServerClient
 from .machine_load import LoadMeter, LoadWindow
 from .metrics import kl_divergence
 from .snapshot_deltas import counter_delta, ms_delta, outcome_delta, residual_delta
-from .systems import REORDER, SEMBLEND_SYSTEMS
-from .workloads import BenchRequest, GoldAnswer, RequestGroup, Workload
+from .systems import REORDER, REORDER_SPANS, SEMBLEND_SERVERS, SEMBLEND_SYSTEMS
+from .workloads import BenchRequest, GoldAnswer, RequestGroup, Workload, reorder_prompt
 
 GREEDY_TOKENS = 32
 
@@ -91,6 +95,8 @@ class ProbeRecord:
     exact_same_length, reordered); empty otherwise."""
     spans: int | None = None
     """Semblend servers: the spans the server materialized for the probe (0 on a miss)."""
+    passage_order: list[int] = field(default_factory=list)
+    """reorder_spans: the order the server put the probe's declared passages in."""
     text: str = ""
     reference_logprobs: list[float] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
@@ -168,11 +174,16 @@ class Runner:
             client.flush()
 
     def _generate(
-        self, client: ServerClient, ids: Sequence[int], tokens: int, margins: bool = False
+        self,
+        client: ServerClient,
+        ids: Sequence[int],
+        tokens: int,
+        margins: bool = False,
+        passages: Sequence[tuple[int, int]] = (),
     ) -> tuple[Answer, LoadWindow | None]:
-        """One timed request, with the foreign load while it ran."""
+        """One timed request (``passages``: declared), with the foreign load while it ran."""
         before = self.meter.sample() if self.meter is not None else None
-        answer = client.generate(ids, tokens, margins=margins)
+        answer = client.generate(ids, tokens, margins=margins, passages=passages)
         if self.meter is None or before is None:
             return answer, None
         return answer, self.meter.window(before, self.meter.sample())
@@ -223,7 +234,7 @@ class Runner:
         """Measure one group :attr:`repeats` times; in each repeat, each probe on every system
         (semblend systems first: vanilla's exact_same_length needs the exact_spans reuse
         length of the same repeat)."""
-        for system in SEMBLEND_SYSTEMS:
+        for system in SEMBLEND_SERVERS:
             client = self.clients.get(system)
             if client is not None and system not in self.configs:
                 self.configs[system] = client.config()
@@ -233,6 +244,7 @@ class Runner:
                 reused_len = self._semantic(workload, group, i, repeat)
                 self._vanilla(workload, group, i, repeat, reused_len)
                 self._reordered(workload, group, i, repeat)
+                self._reorder_spans(workload, group, i, repeat)
         if self.sink is not None:
             for rec in self.records[first:]:
                 self.sink(rec)
@@ -241,37 +253,14 @@ class Runner:
         """Probe ``i`` on each semblend system; returns exact_spans' reused length (SGLang's
         exact prefix plus what semblend reused), None when exact_spans did not run."""
         probe = group.probes[i]
-        tokens = self.greedy_tokens if repeat == 0 else 1
         reused_len: int | None = None
         for system in SEMBLEND_SYSTEMS:
             client = self.clients.get(system)
             if client is None:
                 continue
-            self._flush(client)
-            self._send_donors(client, group)
-            before = client.snapshot()
-            timed = self._generate(client, probe.prompt_ids, tokens, margins=repeat == 0)
-            after = client.snapshot()
-            outcome, reused = outcome_delta(before, after)
+            rec = self._semblend_probe(client, workload, group, i, system, repeat)
             if system == "exact_spans":  # SGLang reports its exact prefix only
-                reused_len = timed[0].cached_tokens + reused
-            rec = self._record(
-                workload,
-                group,
-                i,
-                system,
-                "semantic",
-                timed,
-                repeat,
-                outcome=outcome,
-                reused_tokens=reused,
-                recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
-                residual_deviation=residual_delta(before, after),
-                hook_ms=ms_delta(before, after, "hook_seconds"),
-                copy_ms=ms_delta(before, after, "copy_seconds"),
-                spans=counter_delta(before, after, "reused_spans"),
-            )
-            self.progress(1)
+                reused_len = rec.cached_tokens + (rec.reused_tokens or 0)
             if repeat == 0:
                 self._replay(client, rec, probe.prompt_ids)
             if probe.reference_ids and self._reads_reference(repeat):
@@ -281,6 +270,60 @@ class Runner:
                 self._send_donors(client, group)
                 rec.reference_logprobs = self._reference(client, probe)
         return reused_len
+
+    def _semblend_probe(
+        self,
+        client: ServerClient,
+        workload: Workload,
+        group: RequestGroup,
+        i: int,
+        system: str,
+        repeat: int,
+        passages: Sequence[tuple[int, int]] = (),
+    ) -> ProbeRecord:
+        """Probe ``i`` on a semblend server after its donors (``passages``: declared), with the
+        server's counters read around it (``semantic``)."""
+        probe = group.probes[i]
+        tokens = self.greedy_tokens if repeat == 0 else 1
+        self._flush(client)
+        self._send_donors(client, group)
+        before = client.snapshot()
+        timed = self._generate(client, probe.prompt_ids, tokens, repeat == 0, passages)
+        after = client.snapshot()
+        outcome, reused = outcome_delta(before, after)
+        rec = self._record(
+            workload,
+            group,
+            i,
+            system,
+            "semantic",
+            timed,
+            repeat,
+            outcome=outcome,
+            reused_tokens=reused,
+            recomputed_tokens=counter_delta(before, after, "recomputed_tokens"),
+            residual_deviation=residual_delta(before, after),
+            hook_ms=ms_delta(before, after, "hook_seconds"),
+            copy_ms=ms_delta(before, after, "copy_seconds"),
+            spans=counter_delta(before, after, "reused_spans"),
+            passage_order=list(timed[0].passage_order),
+        )
+        self.progress(1)
+        return rec
+
+    def _reorder_spans(self, workload: Workload, group: RequestGroup, i: int, repeat: int) -> None:
+        """Probe ``i`` with its passages declared, on the reorder_spans server after the group's
+        donors; its KL replay after the prompt the server made of it; nothing when the probe
+        declares no passages or no reorder_spans server runs."""
+        client = self.clients.get(REORDER_SPANS)
+        probe = group.probes[i]
+        if client is None or not probe.passage_bounds:
+            return
+        bounds = probe.passage_bounds
+        rec = self._semblend_probe(client, workload, group, i, REORDER_SPANS, repeat, bounds)
+        if repeat == 0:
+            seen = reorder_prompt(probe.prompt_ids, bounds, rec.passage_order)
+            self._replay(client, rec, seen)
 
     def _reads_reference(self, repeat: int) -> bool:
         """Whether repeat ``repeat`` of a probe reads its gold reference's logprobs (the first
@@ -398,4 +441,6 @@ def requests_per_group(
         n += probes * (1 + (donors + 2 if donors and not answers_only else 0))
     if REORDER in systems:
         n += sum(donors + 1 for probe in group.probes if probe.reordered_ids)
+    if REORDER_SPANS in systems:
+        n += sum(donors + 1 for probe in group.probes if probe.passage_bounds)
     return n * repeats + resent

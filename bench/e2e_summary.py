@@ -31,7 +31,7 @@ from .metrics import (
 )
 from .qa_summary import qa_columns
 from .snapshot_deltas import declined_reasons
-from .systems import REORDER, SEMBLEND_SYSTEMS, SGLANG_DISPATCH
+from .systems import REORDER, REORDER_SPANS, SEMBLEND_SERVERS, SGLANG_DISPATCH
 
 TTFT_KINDS: tuple[tuple[str, str], ...] = (
     ("vanilla", "cold"),
@@ -41,6 +41,7 @@ TTFT_KINDS: tuple[tuple[str, str], ...] = (
     ("substitute", "semantic"),
     (SGLANG_DISPATCH, "semantic"),
     (REORDER, "reordered"),
+    (REORDER_SPANS, "semantic"),
 )
 """(system, kind) pairs with TTFT columns: ``{kind}_ms_*`` for vanilla, ``{system}_ms_*`` else."""
 
@@ -69,6 +70,18 @@ PAIRED_RATIOS: tuple[tuple[str, tuple[str, str], tuple[str, str], str], ...] = (
         ("exact_spans", "semantic"),
         (REORDER, "reordered"),
         "spans/reorder",
+    ),
+    (
+        "reorder_spans_speedup",
+        ("vanilla", "cold"),
+        (REORDER_SPANS, "semantic"),
+        "reorder_spans speed-up",
+    ),
+    (
+        "reorder_spans_over_reorder",
+        (REORDER_SPANS, "semantic"),
+        (REORDER, "reordered"),
+        "reorder_spans/reorder",
     ),
 )
 """(summary key, numerator, denominator, name in a noise reason): per-probe paired TTFT ratios
@@ -284,7 +297,9 @@ def _reorder_columns(
     """The reorder system's exact prefix hit (``reorder_cached_fraction``: SGLang's cached
     tokens over the prompt, every repeat) and its first repeat's 32-token greedy agreement with
     vanilla's cold run of the original prompt (``reorder_greedy_agreement``); None without
-    reorder records."""
+    reorder records; the reorder_spans system's ``reorder_spans_cached_fraction`` (SGLang's
+    exact prefix over the prompt), ``reorder_spans_held_fraction`` (that plus semblend's reuse)
+    and ``reorder_spans_reordered`` (the share of its probes the server reordered)."""
     runs = [r for r in mine if r.system == REORDER and r.kind == "reordered"]
     agree = [
         greedy_agreement(r.output_ids, cold_of[(r.group_id, r.probe)].output_ids, GREEDY_TOKENS)
@@ -292,9 +307,18 @@ def _reorder_columns(
         if r.repeat == 0 and (r.group_id, r.probe) in cold_of
     ]
     prompt = sum(r.prompt_tokens for r in runs)
+    spans = [r for r in mine if r.system == REORDER_SPANS and r.kind == "semantic"]
+    spans_prompt = sum(r.prompt_tokens for r in spans)
+    held = sum(r.cached_tokens + (r.reused_tokens or 0) for r in spans)
+    moved = [r.passage_order != sorted(r.passage_order) for r in spans if r.passage_order]
     return {
         "reorder_cached_fraction": sum(r.cached_tokens for r in runs) / prompt if prompt else None,
         "reorder_greedy_agreement": mean_or_none(agree),
+        "reorder_spans_cached_fraction": (
+            sum(r.cached_tokens for r in spans) / spans_prompt if spans_prompt else None
+        ),
+        "reorder_spans_held_fraction": held / spans_prompt if spans_prompt else None,
+        "reorder_spans_reordered": mean_or_none(moved),
     }
 
 
@@ -353,7 +377,7 @@ def summarize(
             "control": control,
         }
         row.update(_ttft_columns(mine))
-        for system in SEMBLEND_SYSTEMS:
+        for system in SEMBLEND_SERVERS:
             probes = [r for r in mine if r.system == system and r.kind == "semantic"]
             if probes:
                 config = (configs or {}).get(system)

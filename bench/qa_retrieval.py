@@ -56,6 +56,7 @@ from .workloads import (
     RequestGroup,
     Role,
     Workload,
+    adjacent_bounds,
     encode,
     prefix_order,
 )
@@ -192,14 +193,14 @@ class _Builder:
         self.instructions = tuple(
             encode(tokenizer, text + QA_SEPARATOR) for text in RETRIEVAL_INSTRUCTIONS
         )
-        self.labels = tuple(encode(tokenizer, QA_PASSAGE_LABEL.format(k=i + 1)) for i in range(k))
+        self.label = encode(tokenizer, QA_PASSAGE_LABEL)
         self.questions = {name: self._question(name) for name in ARCHIVE_NAMES}
         fixed = (
             len(self.head)
             + max(map(len, self.instructions))
             + len(self.tail)
             + max(map(len, self.questions.values()))
-            + sum(len(label) + len(self.sep) for label in self.labels)
+            + k * (len(self.label) + len(self.sep))
         )
         #: Most tokens of one passage (essay text and fact).
         self.passage_tokens = (context_tokens - fixed) // k
@@ -237,8 +238,8 @@ class _Builder:
     ) -> tuple[int, ...]:
         """The chat-formatted request: instruction, ``passages`` in order, ``asked``'s question."""
         out = [*self.head, *self.instructions[instruction]]
-        for k, passage in enumerate(passages):
-            out += [*self.labels[k], *passage.ids, *self.sep]
+        for passage in passages:
+            out += [*self.label, *passage.ids, *self.sep]
         out += [*self.questions[asked.name], *self.tail]
         return tuple(out)
 
@@ -267,6 +268,12 @@ class _Builder:
             f"{kind}: retrieval passages [{names}], question of {asked.name}",
             gold=GoldAnswer("span", (asked.code,), RETRIEVAL_DATASET),
             reordered_ids=reordered,
+            passage_bounds=adjacent_bounds(
+                len(self.head) + len(self.instructions[instruction]),
+                [len(self.label) + len(p.ids) + len(self.sep) for p in passages],
+            )
+            if donor_orders
+            else (),
         )
 
 

@@ -18,7 +18,7 @@ from .metrics import (
     score_answer,
 )
 from .qa_data import QA_DATASETS
-from .systems import REORDER, SGLANG_DISPATCH
+from .systems import REORDER, REORDER_SPANS, SGLANG_DISPATCH
 from .workloads import GoldAnswer
 
 QA_SOURCES: tuple[tuple[str, str, str], ...] = (
@@ -28,6 +28,7 @@ QA_SOURCES: tuple[tuple[str, str, str], ...] = (
     ("substitute", "substitute", "semantic"),
     (SGLANG_DISPATCH, SGLANG_DISPATCH, "semantic"),
     (REORDER, REORDER, "reordered"),
+    (REORDER_SPANS, REORDER_SPANS, "semantic"),
 )
 """(source, system, kind) of the outputs scored against gold answers, per dataset
 (:func:`qa_columns`); ``cold`` is the baseline the others are paired with."""

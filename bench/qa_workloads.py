@@ -45,7 +45,15 @@ from typing import Any
 
 from .essay_pool import REFERENCE_TOKENS
 from .qa_data import BOOLQ, QA_DATASETS, QAItem, answer_in, qa_items
-from .workloads import BenchRequest, RequestGroup, Role, Workload, encode, prefix_order
+from .workloads import (
+    BenchRequest,
+    RequestGroup,
+    Role,
+    Workload,
+    adjacent_bounds,
+    encode,
+    prefix_order,
+)
 
 QA_WORKLOADS: tuple[str, ...] = ("qa_rag", "qa_rag_corpus")
 
@@ -55,7 +63,7 @@ QA_INSTRUCTIONS: dict[str, str] = {
     "span": "Answer the question using the passages. Reply with a short span copied from the "
     "passages.",
 }
-QA_PASSAGE_LABEL = "Passage {k}:\n"
+QA_PASSAGE_LABEL = "Passage:\n"
 QA_SEPARATOR = "\n\n"
 QA_QUESTION = "Question: {question}"
 #: Donors of a ``qa_rag_corpus`` group (fewer when the probe has fewer passages).
@@ -136,13 +144,7 @@ class _Pieces:
         self.instruction = {
             kind: _ids(tokenizer, text + QA_SEPARATOR) for kind, text in QA_INSTRUCTIONS.items()
         }
-        self._labels: list[tuple[int, ...]] = []
-
-    def label(self, position: int) -> tuple[int, ...]:
-        """``Passage {position}:\\n`` (1-based)."""
-        while len(self._labels) < position:
-            self._labels.append(_ids(self.tok, QA_PASSAGE_LABEL.format(k=len(self._labels) + 1)))
-        return self._labels[position - 1]
+        self.label = _ids(tokenizer, QA_PASSAGE_LABEL)
 
     def passage(self, item: QAItem) -> tuple[int, ...]:
         return _ids(self.tok, item.passage)
@@ -157,20 +159,25 @@ class _Pieces:
         """Tokens of a prompt other than its passages and question."""
         return len(self.head) + len(self.instruction[kind]) + len(self.tail)
 
-    def cost(self, position: int, item: QAItem) -> int:
-        """Tokens ``item`` adds as the prompt's ``position``-th passage."""
-        return len(self.label(position)) + len(self.passage(item)) + len(self.sep)
+    def cost(self, item: QAItem) -> int:
+        """Tokens ``item`` adds as one of the prompt's passages (label and separator included)."""
+        return len(self.label) + len(self.passage(item)) + len(self.sep)
 
     def total(self, items: Sequence[QAItem]) -> int:
         """Tokens ``items`` take as a prompt's passages, labels and separators (any order)."""
-        return sum(self.cost(k + 1, item) for k, item in enumerate(items))
+        return sum(self.cost(item) for item in items)
+
+    def bounds(self, kind: str, passages: Sequence[QAItem]) -> tuple[tuple[int, int], ...]:
+        """Where each of ``passages`` (label and separator included) lies in :meth:`prompt`."""
+        start = len(self.head) + len(self.instruction[kind])
+        return adjacent_bounds(start, [self.cost(item) for item in passages])
 
     def prompt(self, kind: str, passages: Sequence[QAItem], asked: QAItem) -> tuple[int, ...]:
         """The chat-formatted request: instruction, ``passages`` in order, ``asked``'s
         question."""
         out = [*self.head, *self.instruction[kind]]
-        for k, item in enumerate(passages):
-            out += [*self.label(k + 1), *self.passage(item), *self.sep]
+        for item in passages:
+            out += [*self.label, *self.passage(item), *self.sep]
         out += [*self.question(asked), *self.tail]
         return tuple(out)
 
@@ -246,7 +253,7 @@ def _fill(
     for item, fresh in candidates():
         if budget - total < FILL_SLACK or misfits >= MAX_MISFITS:
             break
-        cost = pieces.cost(len(chosen) + 1, item)
+        cost = pieces.cost(item)
         if total + cost > budget:
             misfits += 1
             continue
@@ -267,7 +274,7 @@ def _pick_gold(pieces: _Pieces, pool: _Pool, ctx: int) -> QAItem:
 
     def accept(item: QAItem) -> bool:
         return (
-            pieces.cost(1, item) <= half
+            pieces.cost(item) <= half
             and len(pieces.question(item)) <= QA_QUESTION_ROOM
             and len(pieces.reference(item)) <= REFERENCE_TOKENS
         )
@@ -301,6 +308,7 @@ def _request(
         _describe(passages, asked),
         gold=asked.gold,
         reordered_ids=reordered,
+        passage_bounds=pieces.bounds(asked.gold.kind, passages) if donor_orders else (),
     )
 
 
@@ -352,7 +360,7 @@ def _qa_rag_corpus(
         held = pieces.total(share)
 
         def fits_asked(item: QAItem, share: list[QAItem] = share, held: int = held) -> bool:
-            cost = pieces.cost(len(share) + 1, item)
+            cost = pieces.cost(item)
             return ok(item) and held + cost + len(pieces.question(item)) <= room
 
         asked = pool.first(fits_asked, "donor question")

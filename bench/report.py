@@ -18,7 +18,7 @@ from typing import Any
 
 from .e2e_summary import RECOMPUTE_SETTINGS, row_name
 from .qa_summary import qa_lines
-from .systems import REORDER, SGLANG_DISPATCH
+from .systems import REORDER, REORDER_SPANS, SGLANG_DISPATCH
 
 PACKAGES = ("semblend-sglang", "sglang", "torch", "transformers")
 """Distributions whose versions :func:`environment` records."""
@@ -98,6 +98,11 @@ TABLE_COLUMNS: tuple[tuple[str, int, str, str, int], ...] = (
     ("reorder", 10, "reorder_ms_p50", ".0f", 1),
     ("sp/ro", 9, "exact_spans_over_reorder", ".2f", 1),
     ("ro hit%", 7, "reorder_cached_fraction", ".0f", 100),
+    ("ro-sp", 10, "reorder_spans_ms_p50", ".0f", 1),
+    ("rs/ro", 9, "reorder_spans_over_reorder", ".2f", 1),
+    ("rs speedup", 10, "reorder_spans_speedup", ".1f", 1),
+    ("rs held%", 8, "reorder_spans_held_fraction", ".0f", 100),
+    ("rs agree", 8, "reorder_spans_greedy_agreement", ".2f", 1),
     ("recompute", 13, "exact_spans_recompute", "s", 1),
     ("recomp%", 7, "exact_spans_recompute_share", ".0f", 100),
     ("gated", 5, "exact_spans_gate_declines", "d", 1),
@@ -133,7 +138,10 @@ TABLE_LEGEND = (
     f" server-confirmed hit% of {SGLANG_DISPATCH} (exact_spans, SGLang's own DP dispatch);"
     " reorder: vanilla SGLang sent the probe with its passages in a donor's order (the lossless"
     " anchor), sp/ro: spans/reorder, median of paired ratios, ro hit%: its exact prefix hit, %"
-    " of the prompt;"
+    " of the prompt; ro-sp: reorder_spans, semblend sent the probe as it is with its passages"
+    " declared (the server orders them), rs/ro: reorder_spans/reorder and rs speedup:"
+    " cold/reorder_spans, medians of paired ratios, rs held%: its exact prefix plus semblend's"
+    " reuse, % of the prompt, rs agree: its greedy agreement with cold of the original order;"
     " recompute: the recompute strategy and ratio exact_spans' server resolved (? when it did"
     " not report them); recomp%: reused positions it recomputed, % of reused + recomputed;"
     " gated: probes its quality gate declined; noise: ! when the row's spread is large or"
@@ -148,6 +156,7 @@ QA_SOURCE_LABELS: dict[str, str] = {
     "substitute": "subst",
     SGLANG_DISPATCH: "sgl-dp",
     REORDER: "reorder",
+    REORDER_SPANS: "ro-sp",
 }
 """How the console's QA table names each :data:`.qa_summary.QA_SOURCES` source."""
 

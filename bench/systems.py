@@ -7,7 +7,11 @@ donor-aware data-parallel dispatch off (SEMBLEND_DISPATCH_ENABLED=0), so that wi
 ``--server-arg=--dp-size --server-arg=N`` SGLang's own ``--load-balance-method`` places every
 request; and ``reorder``, the lossless anchor: vanilla SGLang sent each probe of passages with
 its passages reordered so that a donor's order is an exact prefix (``BenchRequest.
-reordered_ids``; probes without passages are not sent to it). Started servers with
+reordered_ids``; probes without passages are not sent to it); and ``reorder_spans``, semblend
+(exact_spans, default settings) sent each such probe as it is with its passages declared
+(``custom_params.semblend_passages``, ``BenchRequest.passage_bounds``): the server chooses the
+order (docs/sglang.md, "Passage order"), SGLang's exact cache serves the leading run and
+semantic reuse the rest. Started servers with
 ``--dp-size N`` on CPU get ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank).
 """
 
@@ -21,11 +25,15 @@ import click
 
 SGLANG_DISPATCH = "exact_spans_sglang_dispatch"
 REORDER = "reorder"
-SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH, REORDER)
+REORDER_SPANS = "reorder_spans"
+SYSTEMS = ("vanilla", "exact_spans", "substitute", SGLANG_DISPATCH, REORDER, REORDER_SPANS)
 DEFAULT_SYSTEMS = ("vanilla", "exact_spans", "substitute")
 """Without ``--systems``: SGLANG_DISPATCH differs from exact_spans only with ``--dp-size``, and
-REORDER runs on the workloads of passages only (another server)."""
+REORDER and REORDER_SPANS run on the workloads of passages only (a server each)."""
 SEMBLEND_SYSTEMS = ("exact_spans", "substitute", SGLANG_DISPATCH)
+"""The semblend systems sent every probe as it is (:meth:`.e2e_runner.Runner.run_group`)."""
+SEMBLEND_SERVERS = (*SEMBLEND_SYSTEMS, REORDER_SPANS)
+"""Every system whose server runs semblend (its snapshot is read, ``--semblend-env`` applies)."""
 QUICK_SYSTEMS = ("vanilla", "exact_spans")
 """``--quick`` leaves out the opt-in, output-changing substitute mode (one server fewer)."""
 SERVER_ENV: dict[str, dict[str, str]] = {
@@ -42,6 +50,7 @@ SERVER_ENV: dict[str, dict[str, str]] = {
         "SEMBLEND_MODE": "exact_spans",
         "SEMBLEND_DISPATCH_ENABLED": "0",
     },
+    REORDER_SPANS: {"SEMBLEND_ENABLED": "1", "SEMBLEND_MODE": "exact_spans"},
 }
 """Environment of each system's server (the rest of the SemBlend settings are defaults)."""
 SYSTEM_OWNED_ENV = ("SEMBLEND_ENABLED", "SEMBLEND_MODE", "SEMBLEND_DISCOVERY_ONLY")
@@ -58,7 +67,7 @@ def system_environ(
     from ..server import cpu_dp_environ
 
     env = cpu_dp_environ(extra)
-    if system in SEMBLEND_SYSTEMS:
+    if system in SEMBLEND_SERVERS:
         env.update(semblend_env or {})
     env.update(SERVER_ENV[system])
     return env

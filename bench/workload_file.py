@@ -12,8 +12,10 @@ first line of a group is its donor and later lines are probes); optional ``refer
 tokenized without special tokens) or ``reference_ids`` (list of token ids), the continuation
 teacher-forced for the PPL ratio; optional ``label`` (string); optional ``reordered_ids`` (list
 of token ids: the probe rewritten with its passages in a donor's order, which the ``reorder``
-system sends instead). No other key is accepted. Blank lines and lines whose first non-blank
-character is ``#`` are skipped.
+system sends instead); optional ``passages`` (list of ``[start, end]`` token bounds, adjacent,
+as a request declares them to the server, docs/sglang.md "Passage order"; the
+``reorder_spans`` system sends such a probe with them declared). No other key is accepted.
+Blank lines and lines whose first non-blank character is ``#`` are skipped.
 
 Groups keep the order of their first line; a group's lines need not be adjacent. In a group the
 donors must come before the probes and there must be at least one probe (a group with no donor
@@ -28,11 +30,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..passages import PassageError, parse_passages
 from .metrics import percentile
 from .workloads import BenchRequest, RequestGroup, Workload, encode
 
 KEYS = frozenset(
-    {"group", "prompt", "input_ids", "role", "reference", "reference_ids", "label", "reordered_ids"}
+    {
+        "group",
+        "prompt",
+        "input_ids",
+        "role",
+        "reference",
+        "reference_ids",
+        "label",
+        "reordered_ids",
+        "passages",
+    }
 )
 
 
@@ -146,13 +159,21 @@ def _parse(text: str, tokenizer: Any, vocab: int | None) -> tuple[str, str | Non
     reordered_ids: tuple[int, ...] = ()
     if "reordered_ids" in obj:
         reordered_ids = _token_ids(obj["reordered_ids"], "reordered_ids", vocab)
-    return (
-        group,
-        role,
-        BenchRequest(
-            prompt_ids, role or "probe", reference_ids, label, reordered_ids=reordered_ids
-        ),
+    bounds: tuple[tuple[int, int], ...] = ()
+    if "passages" in obj:
+        try:
+            bounds = parse_passages(obj["passages"], len(prompt_ids)).bounds
+        except PassageError as exc:
+            raise _Bad(f"'passages': {exc}") from None
+    request = BenchRequest(
+        prompt_ids,
+        role or "probe",
+        reference_ids,
+        label,
+        reordered_ids=reordered_ids,
+        passage_bounds=bounds,
     )
+    return group, role, request
 
 
 def load_workload_file(path: str | Path, tokenizer: Any, name: str | None = None) -> Workload:
@@ -228,5 +249,7 @@ def write_workload_file(workload: Workload, path: str | Path) -> None:
                 obj["label"] = request.label
             if request.reordered_ids:
                 obj["reordered_ids"] = list(request.reordered_ids)
+            if request.passage_bounds:
+                obj["passages"] = [list(b) for b in request.passage_bounds]
             lines.append(json.dumps(obj, ensure_ascii=False))
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -69,6 +69,10 @@ class BenchRequest:
     ``reordered_ids``: a probe of passages, rewritten with its passages in the order
     :func:`prefix_order` gives (the lossless ``reorder`` system sends it instead); empty for a
     request without passages to reorder.
+    ``passage_bounds``: that probe's passages as ``[start, end)`` token positions in
+    ``prompt_ids``, adjacent (:func:`adjacent_bounds`): what the ``reorder_spans`` system
+    declares as ``custom_params.semblend_passages``; empty for a request it does not send (a
+    request without passages, a workload file's).
     """
 
     prompt_ids: tuple[int, ...]
@@ -77,15 +81,43 @@ class BenchRequest:
     label: str = ""
     gold: GoldAnswer | None = None
     reordered_ids: tuple[int, ...] = ()
+    passage_bounds: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be 'donor' or 'probe', not {self.role!r}")
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        if self.passage_bounds and self.passage_bounds[-1][1] > len(self.prompt_ids):
+            raise ValueError(
+                f"passage_bounds end at {self.passage_bounds[-1][1]}, after the prompt's "
+                f"{len(self.prompt_ids)} tokens"
+            )
+
+
+def adjacent_bounds(start: int, lengths: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``[start, end)`` of adjacent pieces of ``lengths`` tokens, the first at ``start``."""
+    out: list[tuple[int, int]] = []
+    for n in lengths:
+        out.append((start, start + n))
+        start += n
+    return tuple(out)
 
 
 T = TypeVar("T", bound=Hashable)
+
+
+def reorder_prompt(
+    prompt: Sequence[int], bounds: Sequence[tuple[int, int]], order: Sequence[int]
+) -> tuple[int, ...]:
+    """``prompt`` with its passages at ``bounds`` (adjacent) put in ``order`` (for each place,
+    the index of the passage put there; empty: as they are), what precedes and follows them
+    in place: the prompt a server that chose ``order`` gave the model."""
+    if not order:
+        return tuple(prompt)
+    head, tail = bounds[0][0], bounds[-1][1]
+    moved = [t for k in order for t in prompt[bounds[k][0] : bounds[k][1]]]
+    return (*prompt[:head], *moved, *prompt[tail:])
 
 
 def prefix_order(probe: Sequence[T], donors: Sequence[Sequence[T]]) -> list[T]:

@@ -103,7 +103,9 @@ class _RecordingClient:
         self.name, self.log, self.semblend = name, log, semblend
         self.url = f"memory://{name}"
 
-    def generate(self, ids: Any, tokens: int, *, margins: bool = False) -> Answer:
+    def generate(
+        self, ids: Any, tokens: int, *, margins: bool = False, passages: Any = ()
+    ) -> Answer:
         self.log.append((self.name, "generate", tokens))
         return Answer(0.01, len(ids), 0, tuple(range(tokens)), "x", (1.0,) * tokens * margins)
 
