@@ -172,8 +172,9 @@ def test_three_donors_of_8k_real_text_are_all_aligned_within_the_default_budget(
 ) -> None:
     """rag_corpus at 8,112 tokens (real essays): each of the probe's four passages sits whole in
     one of three donors, and no donor holds all four. Within the default 5 ms budget the plan
-    reuses >= 85% of the probe from >= 2 donors: the first alignment, charged for its most
-    pairs and diagonals, must give back what it did not use, or the next donors never fit."""
+    reuses >= 85% of the probe from >= 2 donors, >= 90% of every passage: the first
+    alignment, charged for its most pairs and diagonals, must give back what it did not use, or
+    the next donors never fit."""
     from semblend_sglang.bench.builtin_workloads import build_workload
 
     workload = build_workload("rag_corpus", smollm2_tokenizer, essay_texts, 8112, 2, seed=0)
@@ -187,7 +188,16 @@ def test_three_donors_of_8k_real_text_are_all_aligned_within_the_default_budget(
         assert decision.kind == "plan", decision.reason
         plan = decision.plan
         assert plan.reused_tokens >= 0.85 * len(probe.prompt_ids), plan.reused_tokens
-        assert len(plan.donors) >= 2 and len(plan.spans) == 4
+        assert len(plan.donors) >= 2 and 2 <= len(plan.spans) <= 4
+        # every passage reused (two passages one donor holds adjacent, in the probe's order,
+        # may make one span: the labels name no place)
+        covered = np.zeros(len(probe.prompt_ids), dtype=bool)
+        for span in plan.spans:
+            covered[span.target_start : span.target_end] = True
+        ids = list(probe.prompt_ids)
+        for passage in group.shared_spans:
+            at = next(k for k in range(len(ids)) if ids[k : k + len(passage)] == list(passage))
+            assert covered[at : at + len(passage)].mean() >= 0.9, at
         for i, span in enumerate(plan.spans):
             donor_ids = np.asarray(donors[plan.donor_of(i)].prompt_ids)
             target = np.asarray(probe.prompt_ids)[span.target_start : span.target_end]
