@@ -50,29 +50,31 @@ _SPARSE = {
     "SEMBLEND_RECOMPUTE_RATIO": "0.3",
     "SEMBLEND_RECOMPUTE_CHECK_SHARE": "1",
     "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",
+    # no span's first tokens recomputed unless the selection picks them, so that a delta_zero
+    # request (nothing selected) keeps its copy as copied; the paths' hit and its dense
+    # reference make the same selection either way
+    "SEMBLEND_SINK_TOKENS": "0",
 }
 _POSITION_MASK = {**_SPARSE, "SEMBLEND_SPARSE_PATH": "position_mask"}
 ROLE_ENV: dict[str, dict[str, str]] = {
-    # its requests recompute every copied position (RECOMPUTE_ALL), so no path is sparse: it
-    # shares the position_mask role's server
+    # recompute_all's and delta_zero's requests carry their repair settings (RECOMPUTE_ALL,
+    # DELTA_ZERO), so they share the position_mask role's server
     "recompute_all": _POSITION_MASK,
-    "delta_zero": {
-        "SEMBLEND_ENABLED": "1",
-        "SEMBLEND_RECOMPUTE_STRATEGY": "heads",
-        "SEMBLEND_RECOMPUTE_RATIO": "0",
-        "SEMBLEND_SINK_TOKENS": "0",
-    },
+    "delta_zero": _POSITION_MASK,
     "split_view": {**_SPARSE, "SEMBLEND_SPARSE_PATH": "split_view"},
     "position_mask": _POSITION_MASK,
 }
-"""The semblend settings of each role's server (``delta_zero``: no copied position recomputed,
-not even a span's first ``sink_tokens``, so a copy is kept as copied); roles with the same
-settings share one server. ``split_view`` needs a backend with both paths (triton); torch_native
-(the CPU server) attends every sparse batch with the position mask."""
+"""The semblend settings of each role's server; roles with the same settings share one server.
+``split_view`` needs a backend with both paths (triton); torch_native (the CPU server) attends
+every sparse batch with the position mask."""
 
 RECOMPUTE_ALL: dict[str, Any] = {"recompute_ratio": 1.0}
 """The repair settings (``custom_params.semblend_reuse``) of the ``recompute_all`` check's hit:
 its server's, at ratio 1."""
+
+DELTA_ZERO: dict[str, Any] = {"recompute_strategy": "heads", "recompute_ratio": 0.0}
+"""The repair settings of the ``delta_zero`` check's requests: no copied position recomputed
+(with the server's ``sink_tokens`` 0, not even a span's first), so a copy is kept as copied."""
 
 
 @dataclass(frozen=True)
@@ -208,14 +210,14 @@ def check_recompute_all(
 
 
 def check_delta_zero(url: str, prompts: Prompts, probes: Sequence[int], tol: float) -> CheckResult:
-    """On a ``delta_zero`` server: ``same_positions`` reuses the donor's passage at delta 0;
-    sent again, its exact hit ends before the passage (the first request published only its
-    exact head) and its spans (delta 0, after the same context) copy the KV the first request
-    held: it answers as the first request did."""
+    """On a ``delta_zero`` server, each request sent with :data:`DELTA_ZERO`: ``same_positions``
+    reuses the donor's passage at delta 0; sent again, its exact hit ends before the passage
+    (the first request published only its exact head) and its spans (delta 0, after the same
+    context) copy the KV the first request held: it answers as the first request did."""
     before = _after_donor(url, prompts, probes)
-    first = answer(url, prompts.same_positions, probes)
+    first = answer(url, prompts.same_positions, probes, semblend_reuse=DELTA_ZERO)
     middle = _totals(url)
-    again = answer(url, prompts.same_positions, probes)
+    again = answer(url, prompts.same_positions, probes, semblend_reuse=DELTA_ZERO)
     after = _totals(url)
     detail = {
         "first_materialized": _delta(middle, before, "outcomes", "materialized"),

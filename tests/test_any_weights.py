@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from semblend_sglang.bench.any_weights import (
+    DELTA_ZERO,
     PROBE_COUNT,
+    RECOMPUTE_ALL,
     ROLE_ENV,
     Answer,
     build_prompts,
@@ -52,6 +54,22 @@ def test_every_role_is_valid_settings() -> None:
         Config.from_env(env)
     assert Config.from_env(ROLE_ENV["split_view"]).sparse_path == "split_view"
     assert Config.from_env(ROLE_ENV["delta_zero"]).sink_tokens == 0
+
+
+def test_the_checks_repair_settings_resolve_on_their_shared_server() -> None:
+    """recompute_all and delta_zero share the position_mask server: their requests' settings
+    (what the request guard and the scheduler resolve) give ratio 1, and heads at ratio 0 over
+    the server's sink 0: nothing recomputed."""
+    from semblend_sglang.request_settings import resolve
+
+    assert ROLE_ENV["recompute_all"] == ROLE_ENV["delta_zero"] == ROLE_ENV["position_mask"]
+    server = Config.from_env(ROLE_ENV["delta_zero"])
+    every = resolve(RECOMPUTE_ALL, server)
+    none = resolve(DELTA_ZERO, server)
+    assert every is not None and none is not None
+    assert every.config.recompute_ratio == 1.0 and every.config.sparse_path == "position_mask"
+    assert (none.config.recompute_strategy, none.config.recompute_ratio) == ("heads", 0.0)
+    assert none.config.sink_tokens == 0 and none.label == "custom"
     with pytest.raises(ValueError):
         Config.from_env({"SEMBLEND_SPARSE_PATH": "dense"})
 

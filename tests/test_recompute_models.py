@@ -10,6 +10,8 @@ below):
   reference* (``custom_params={"semblend_dense_reference": true}``: every position computed in
   every layer, the K/V of the reused positions that are not recomputed forced to the donor's
   after the check layer);
+* bench any-weights' CPU checks (recompute_all, delta_zero, the position mask) on the
+  Llama-3-scaling server, whose settings are those checks' role's (sink tokens 0, the mask);
 * a random Olmo2 model (a class the layer hook does not know), same settings: every plan is
   declined as ``unsupported_model`` with one log line, and the answer is the cold one;
 * requests at ratio 1.0 to the session's shared SmolLM2 server (their repair settings in
@@ -44,7 +46,12 @@ LOGPROB_TOL = 1e-3
 """float32 tolerance on a logprob: computing the same positions in another order or batch shape
 moves a logprob by ~1e-5; a reused position computed wrongly moves it by far more."""
 
-RECOMPUTE_SHAPES = ("qwen2_theta1e6", "llama3_scaling", "qwen2_yarn", "llama_partial_rotary")
+ANY_WEIGHTS_SHAPE = "llama3_scaling"
+"""The shape whose server also runs bench any-weights' CPU checks (its model is the one that
+command is given in tests/test_e2e_any_weights.py)."""
+RECOMPUTE_SHAPES = ("qwen2_theta1e6", "qwen2_yarn", "llama_partial_rotary", ANY_WEIGHTS_SHAPE)
+"""In the order the shape class runs them: :data:`ANY_WEIGHTS_SHAPE` last, so its batch still
+runs when the any-weights class after it asks for it."""
 UNKNOWN_CLASS_SHAPE = "olmo2_unknown_class"
 RATIO = 0.3
 RECOMPUTE_ENV = {
@@ -54,6 +61,10 @@ RECOMPUTE_ENV = {
     "SEMBLEND_RECOMPUTE_CHECK_LAYER": "1",
     "SEMBLEND_RECOMPUTE_MIN_DEVIATION": "0",  # the budget is spent whatever the deviation
     "SEMBLEND_RECOMPUTE_CHECK_SHARE": "1",  # every copied position scored: a dense check
+    # what bench any-weights' position_mask role adds (ROLE_ENV): no span's first tokens
+    # recomputed unless selected; the mask pinned (torch_native's only sparse path)
+    "SEMBLEND_SINK_TOKENS": "0",
+    "SEMBLEND_SPARSE_PATH": "position_mask",
 }
 
 
@@ -253,6 +264,41 @@ class TestRecomputeOnEachRopeShape:
             reference["output_ids"],
             cold["output_ids"],
         )
+
+
+class TestAnyWeightsChecksOnTheLlama3ScalingServer:
+    """bench any-weights' ``recompute_all``, ``delta_zero`` and position-mask checks
+    (``semblend_sglang.bench.any_weights.run_checks``, the command's own code) against this
+    module's :data:`ANY_WEIGHTS_SHAPE` server, whose settings hold those roles' (``ROLE_ENV``):
+    no server of their own. The command starting its servers: tests/test_e2e_any_weights.py."""
+
+    def test_recompute_all_delta_zero_and_the_mask_hold_on_the_cpu_server(
+        self, recompute_servers: ServerBatches, smollm2_model_dir: Path
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from semblend_sglang.bench.any_weights import ROLE_ENV, build_prompts, run_checks
+        from semblend_sglang.data import essay_texts as load_essays
+
+        roles = ("recompute_all", "delta_zero", "position_mask")
+        assert all(ROLE_ENV[r].items() <= RECOMPUTE_ENV.items() for r in roles)
+        url = recompute_servers.server(ANY_WEIGHTS_SHAPE).url
+        model = build_random_model(SHAPES[ANY_WEIGHTS_SHAPE], smollm2_model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        prompts = build_prompts(tokenizer, max(load_essays(), key=len), 900)  # its defaults
+        tol = 2e-3
+        checks = run_checks({r: url for r in roles}, prompts, len(tokenizer), tol)
+        results = {c.name: c for c in checks}
+        assert set(results) == {"recompute_all", "delta_zero", "paths"}
+        assert all(c.passed for c in checks), [(c.name, c.detail) for c in checks]
+        every = results["recompute_all"].detail
+        assert every["materialized"] == 1 and every["kept_tokens"] == 0
+        assert every["gap_to_cold"] <= tol
+        same = results["delta_zero"].detail
+        assert same["again_materialized"] == 1 and same["same_ids"] and same["gap_to_first"] <= tol
+        mask = results["paths"].detail["position_mask"]
+        assert mask["batches_on_path"] >= 1 and mask["gap_to_dense_reference"] <= tol
+        assert mask["control_gap_dense_to_cold"] > 10 * tol
 
 
 class TestUnknownModelClass:
