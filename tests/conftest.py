@@ -147,8 +147,27 @@ def semblend_server(
 
 
 VANILLA_CONTEXT = 1024
-"""The shared vanilla server's ``--context-length``: small, so test_e2e_bad_input's prompt at the
+"""The ``--context-length`` of the shared vanilla server and of ``semblend_at_the_context``: small,
+so test_e2e_bad_input's prompt at the
 limit is cheap to compute; every other prompt sent to it is shorter."""
+
+
+@pytest.fixture(scope="session")
+def semblend_at_the_context(
+    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangServer]:
+    """A second real server with semblend on (default settings) at the vanilla server's
+    :data:`VANILLA_CONTEXT`-token context and a 16,384-token pool, no launch argument of the
+    shared semblend server's: test_e2e_bad_input.py's "on" mode (a prompt at the context limit)
+    and test_e2e_gateway.py's second instance (prompts of 512 tokens), one start for both. The
+    gateway module's last test stops it: the modules run in file order (bad_input first); a
+    test that finds it stopped fails naming that test. Stopped at the end of the session."""
+    from tests.harness.server import healthy_server
+
+    log = tmp_path_factory.mktemp("semblend-at-the-context") / "server.log"
+    args = ["--context-length", str(VANILLA_CONTEXT), "--max-total-tokens", "16384"]
+    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

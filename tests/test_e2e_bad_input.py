@@ -16,10 +16,8 @@ from __future__ import annotations
 import http.client
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,7 +26,7 @@ import pytest
 from semblend_sglang.bench.client import health_generate
 from semblend_sglang.server import SglangServer
 from tests.conftest import VANILLA_CONTEXT
-from tests.harness.server import generate, healthy_server, semblend_totals
+from tests.harness.server import generate, semblend_totals
 
 pytestmark = pytest.mark.e2e
 
@@ -207,23 +205,15 @@ MODES = ("on", "off")
 guard only)."""
 
 
-@pytest.fixture(scope="module")
-def semblend_at_the_context(
-    smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangServer]:
-    """The real server with semblend on (default settings) at a :data:`CONTEXT`-token context."""
-    log = tmp_path_factory.mktemp("bad-input") / "on.log"
-    args = ["--context-length", str(CONTEXT), "--max-total-tokens", "16384"]
-    with healthy_server(smollm2_model_dir, log, {"SEMBLEND_ENABLED": "1"}, args) as srv:
-        yield srv
-
-
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest) -> tuple[str, SglangServer]:
-    """The :data:`MODES` server named by the parameter, with its mode: "off" is the session's
-    shared vanilla server (tests/conftest.py ``vanilla_server``, the same context length)."""
+    """The :data:`MODES` server named by the parameter, with its mode, both the session's and at
+    :data:`CONTEXT` (tests/conftest.py): "on" is ``semblend_at_the_context``, "off" the shared
+    ``vanilla_server``."""
     name = "semblend_at_the_context" if request.param == "on" else "vanilla_server"
-    return request.param, request.getfixturevalue(name)
+    srv: SglangServer = request.getfixturevalue(name)
+    assert srv.alive(), f"{name} was stopped (test_e2e_gateway.py stops it last)"
+    return request.param, srv
 
 
 def test_every_bad_request_gets_a_reason_and_the_server_keeps_serving(

@@ -9,7 +9,6 @@ which instance served a request is SMG's ``x-smg-routed-worker-id`` answer heade
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +31,12 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def instances(
-    semblend_server: Any,
-    smollm2_model_dir: Path,
-    sgl_kernel_standin_log: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[list[Any]]:
-    """The session's semblend server and a second one like it (the fault test stops it)."""
-    from tests.harness.server import healthy_server
-
-    log = tmp_path_factory.mktemp("gateway") / "second-server.log"
-    env = {"SEMBLEND_ENABLED": "1", "SEMBLEND_SGL_KERNEL_STANDIN_LOG": str(sgl_kernel_standin_log)}
-    with healthy_server(smollm2_model_dir, log, env, []) as second:
-        yield [semblend_server, second]
+def instances(semblend_server: Any, semblend_at_the_context: Any) -> list[Any]:
+    """The session's two semblend servers at default settings (tests/conftest.py): the shared
+    one and the one at a 1,024-token context (the fault test stops it; nothing after this
+    module uses it)."""
+    assert semblend_at_the_context.alive()
+    return [semblend_server, semblend_at_the_context]
 
 
 @pytest.fixture(scope="module")
