@@ -285,34 +285,43 @@ def token_f1(prediction: str, answers: Sequence[str]) -> float:
 @dataclass(frozen=True)
 class QAScore:
     """One output scored against a gold answer: ``correct`` (yes/no: the answer read is the gold
-    one; span: exact match) and ``f1`` (span answers only; None for yes/no)."""
+    one; span: exact match; a summary is never counted right or wrong: 0.0), ``f1`` (span
+    answers only; None otherwise) and ``rouge_l`` (summaries only: ROUGE-L F1 against the
+    reference summary; None otherwise)."""
 
     correct: float
     f1: float | None
+    rouge_l: float | None = None
 
 
 def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:
     """Score a model's ``output`` text against the gold ``answers`` of a ``kind`` question: for
     ``yes_no``, :func:`yes_no` of the output against ``answers[0]``; for ``span``,
-    :func:`exact_match` and :func:`token_f1` of :func:`answer_span` of the output. The e2e
-    summary calls it per QA record; ValueError for another ``kind``."""
+    :func:`exact_match` and :func:`token_f1` of :func:`answer_span` of the output; for
+    ``summary``, :func:`rouge_l` of the whole output against each reference (the maximum). The
+    e2e summary calls it per QA record; ValueError for another ``kind``."""
     if kind == "yes_no":
         return QAScore(1.0 if yes_no(output) == answers[0] else 0.0, None)
     if kind == "span":
         span = answer_span(output)
         return QAScore(exact_match(span, answers), token_f1(span, answers))
-    raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")
+    if kind == "summary":
+        return QAScore(0.0, None, max(rouge_l(output, a) for a in answers))
+    raise ValueError(f"answer kind must be 'yes_no', 'span' or 'summary', not {kind!r}")
 
 
 def read_answer(output: str, kind: str) -> str | None:
     """The answer a ``kind`` question's ``output`` gives, normalized, for comparing two runs'
     answers: for ``yes_no`` :func:`yes_no` of the output (None when it has neither word); for
-    ``span`` :func:`normalize_answer` of :func:`answer_span`. ValueError for another ``kind``."""
+    ``span`` :func:`normalize_answer` of :func:`answer_span`; for ``summary``
+    :func:`normalize_answer` of the whole output. ValueError for another ``kind``."""
     if kind == "yes_no":
         return yes_no(output)
     if kind == "span":
         return normalize_answer(answer_span(output))
-    raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")
+    if kind == "summary":
+        return normalize_answer(output)
+    raise ValueError(f"answer kind must be 'yes_no', 'span' or 'summary', not {kind!r}")
 
 
 def mcnemar_exact(b: int, c: int) -> float:

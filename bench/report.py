@@ -165,9 +165,11 @@ QA_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("cold acc", "cold_accuracy", ".2f"),
     ("cold EM", "cold_em", ".2f"),
     ("cold F1", "cold_f1", ".2f"),
+    ("cold R-L", "cold_rouge_l", ".2f"),
     ("acc", "accuracy", ".2f"),
     ("EM", "em", ".2f"),
     ("F1", "f1", ".2f"),
+    ("R-L", "rouge_l", ".2f"),
     ("=cold", "agreement", ".2f"),
     ("agree", "greedy_agreement", ".2f"),
     ("kl", "kl", ".0e"),
@@ -180,12 +182,13 @@ QA_COLUMNS: tuple[tuple[str, str, str], ...] = (
 QA_TABLE_LEGEND = (
     "QA, each dataset on its own (first repeat): n: probes scored, with (k) when only k of them"
     " have vanilla's cold run (the cold and paired columns are over those k); acc: yes/no"
-    " answers right; EM, F1: SQuAD exact match and token F1 of span answers; cold acc/EM/F1: the"
-    " same for the cold run; =cold: answers (normalized) equal to cold's; agree: first-32-token"
-    " greedy agreement with cold; kl: SGLang's KL measure against the cold replay (the cold"
-    " line's: its own decode against its prefill); b/c: probes right cold and wrong here /"
-    " wrong cold and right here (right: yes/no correct or exact match); p: exact two-sided"
-    " McNemar p-value of b and c."
+    " answers right; EM, F1: SQuAD exact match and token F1 of span answers; R-L: ROUGE-L of"
+    " summaries against their reference; cold acc/EM/F1/R-L: the same for the cold run; =cold:"
+    " answers (normalized) equal to cold's; agree: first-32-token greedy agreement with cold; kl:"
+    " SGLang's KL measure against the cold replay (the cold line's: its own decode against its"
+    " prefill); b/c: probes right cold and wrong here / wrong cold and right here (right: yes/no"
+    " correct or exact match; summaries are not counted); p: exact two-sided McNemar p-value of"
+    " b and c."
 )
 
 
@@ -200,6 +203,7 @@ def qa_cell_values(source: str, cell: Mapping[str, Any]) -> dict[str, Any]:
             "cold_accuracy": cell.get("accuracy"),
             "cold_em": cell.get("em"),
             "cold_f1": cell.get("f1"),
+            "cold_rouge_l": cell.get("rouge_l"),
             "kl": cell.get("kl"),
         }
     n, paired = cell["n"], cell.get("paired", 0)

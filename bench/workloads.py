@@ -15,8 +15,8 @@ from typing import Any, Literal, TypeVar, cast
 Role = Literal["donor", "probe"]
 ROLES: tuple[str, ...] = ("donor", "probe")
 
-AnswerKind = Literal["yes_no", "span"]
-ANSWER_KINDS: tuple[str, ...] = ("yes_no", "span")
+AnswerKind = Literal["yes_no", "span", "summary"]
+ANSWER_KINDS: tuple[str, ...] = ("yes_no", "span", "summary")
 YES_NO: tuple[str, ...] = ("yes", "no")
 
 
@@ -25,8 +25,9 @@ class GoldAnswer:
     """The gold answer(s) of a question-answering request, and how an output is scored against
     them (:func:`.metrics.score_answer`).
 
-    ``kind``: ``"yes_no"`` (``answers`` is ``("yes",)`` or ``("no",)``; accuracy) or ``"span"``
+    ``kind``: ``"yes_no"`` (``answers`` is ``("yes",)`` or ``("no",)``; accuracy), ``"span"``
     (extractive answers, any of which counts; exact match and token F1, the maximum over
+    ``answers``) or ``"summary"`` (a human-written reference summary; ROUGE-L, the maximum over
     ``answers``). ``dataset``: where the question comes from (``boolq``, ``disflqa``), for
     reports. Built by :mod:`.qa_workloads`; the bench's records carry it (:meth:`from_json`
     reads it back from a report). Only the QA workloads set it: other requests carry None.
@@ -38,7 +39,7 @@ class GoldAnswer:
 
     def __post_init__(self) -> None:
         if self.kind not in ANSWER_KINDS:
-            raise ValueError(f"answer kind must be 'yes_no' or 'span', not {self.kind!r}")
+            raise ValueError(f"answer kind must be one of {ANSWER_KINDS}, not {self.kind!r}")
         if not self.answers or not all(a.strip() for a in self.answers):
             raise ValueError("a gold answer needs at least one non-blank answer")
         if self.kind == "yes_no" and (len(self.answers) != 1 or self.answers[0] not in YES_NO):
@@ -50,7 +51,7 @@ class GoldAnswer:
         records: ``answers`` a list). Raises ValueError as the constructor does."""
         kind = str(data["kind"])
         if kind not in ANSWER_KINDS:
-            raise ValueError(f"answer kind must be 'yes_no' or 'span', not {kind!r}")
+            raise ValueError(f"answer kind must be one of {ANSWER_KINDS}, not {kind!r}")
         answers = tuple(str(a) for a in data["answers"])
         return cls(cast(AnswerKind, kind), answers, str(data.get("dataset", "")))
 

@@ -358,6 +358,7 @@ def test_runner_records_carry_the_probe_gold_and_the_summary_scores_them(built: 
         "accuracy": 1.0,
         "em": None,
         "f1": None,
+        "rouge_l": None,
         "kl": None,
     }  # repeat 1 unscored
     spans = cells["exact_spans"]
@@ -488,7 +489,14 @@ def test_summary_scores_each_dataset_on_its_own_paired_with_cold() -> None:
     by = row["qa_by_dataset"]
     assert list(by) == [BOOLQ, DISFLQA]
     assert list(by[BOOLQ]) == ["cold", "exact_same_length", "exact_spans"]
-    assert by[BOOLQ]["cold"] == {"n": 4, "accuracy": 0.75, "em": None, "f1": None, "kl": None}
+    assert by[BOOLQ]["cold"] == {
+        "n": 4,
+        "accuracy": 0.75,
+        "em": None,
+        "f1": None,
+        "rouge_l": None,
+        "kl": None,
+    }
     boolq = by[BOOLQ]["exact_spans"]
     assert boolq["n"] == boolq["paired"] == 4  # repeat 1 is not scored
     assert boolq["accuracy"] == 0.5 and boolq["cold_accuracy"] == 0.75
@@ -524,7 +532,8 @@ def test_console_and_markdown_tables_have_a_line_per_dataset_and_system() -> Non
     row["exact_spans_hit_rate"] = 1.0  # bench table keeps the rows where exact_spans ran
     console = console_table([row]).splitlines()
     head = next(line for line in console if line.startswith("workload") and "dataset" in line)
-    want = "workload ctx dataset system n cold acc cold EM cold F1 acc EM F1 =cold agree kl b/c p"
+    want = "workload ctx dataset system n cold acc cold EM cold F1 cold R-L acc EM F1 R-L =cold"
+    want += " agree kl b/c p"
     assert head.split() == want.split()
     words = [line.split() for line in console]
     lines = {tuple(w[2:4]): w[4:] for w in words if len(w) > 3 and w[2] in (BOOLQ, DISFLQA)}
@@ -534,8 +543,8 @@ def test_console_and_markdown_tables_have_a_line_per_dataset_and_system() -> Non
         (DISFLQA, "exact"),
         (DISFLQA, "spans"),
     }
-    assert lines[BOOLQ, "spans"] == "4 0.75 - - 0.50 - - 0.75 0.99 - 1/0 1".split()  # no replays
-    assert lines[DISFLQA, "spans"] == "3 - 0.67 0.67 - 0.67 0.95 0.33 1.00 - 1/1 1".split()
+    assert lines[BOOLQ, "spans"] == "4 0.75 - - - 0.50 - - - 0.75 0.99 - 1/0 1".split()  # no KL
+    assert lines[DISFLQA, "spans"] == "3 - 0.67 0.67 - - 0.67 0.95 - 0.33 1.00 - 1/1 1".split()
     assert lines[DISFLQA, "exact"][:3] == ["1", "-", "1.00"]
     assert any(line.startswith("QA, each dataset on its own") for line in console)
 
