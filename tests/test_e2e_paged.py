@@ -51,6 +51,23 @@ def _agreement(got: list[int], want: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
 
 
+def _semantic_hit(
+    url: str, donors: list[list[int]], probe: list[int], **extra: Any
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """From an empty cache (no donor of another test of this server), the donors, then the
+    probe's 16 greedy tokens (``extra``: more :func:`generate` arguments); asserts the probe
+    materialized reuse of at least 256 tokens. Returns the hit and the totals before and after."""
+    flush_cache(url)
+    for donor in donors:
+        generate(url, donor, 1)
+    before = semblend_totals(url)
+    hit = generate(url, probe, 16, sampling={"ignore_eos": True}, **extra)
+    after = semblend_totals(url)
+    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1, after
+    assert after["reused_tokens"] - before["reused_tokens"] >= 256, after
+    return hit, before, after
+
+
 @pytest.mark.parametrize("workload", ["cross_instruction", "rag"])
 def test_page_size_16_reuses_and_answers_as_cold(
     paged_server: SglangServer, smollm2_tokenizer: Any, essay_texts: list[str], workload: str
@@ -58,15 +75,9 @@ def test_page_size_16_reuses_and_answers_as_cold(
     from semblend_sglang.bench.builtin_workloads import build_workload
 
     group = build_workload(workload, smollm2_tokenizer, essay_texts, 1024, 1, 7).groups[0]
-    flush_cache(paged_server.url)  # no donor of another test of this server
-    for donor in group.donors:
-        generate(paged_server.url, donor.prompt_ids, 1)
-    probe = group.probes[0].prompt_ids
-    before = semblend_totals(paged_server.url)
-    hit = generate(paged_server.url, probe, 16, sampling={"ignore_eos": True})
-    after = semblend_totals(paged_server.url)
-    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1, after
-    assert after["reused_tokens"] - before["reused_tokens"] >= 256, after
+    probe = list(group.probes[0].prompt_ids)
+    donors = [list(d.prompt_ids) for d in group.donors]
+    hit, _, after = _semantic_hit(paged_server.url, donors, probe)
     assert not after.get("unsupported_options"), after
     cold = generate(
         paged_server.url,
@@ -92,14 +103,7 @@ def test_a_hit_runs_query_only_and_answers_as_cold(
     group = build_workload(workload, smollm2_tokenizer, essay_texts, 1024, 1, 5).groups[0]
     donors = [list(d.prompt_ids) for d in group.donors]
     probe = list(group.probes[0].prompt_ids)
-    flush_cache(url)  # no donor of another test of this server
-    for donor in donors:
-        generate(url, donor, 1)
-    before = semblend_totals(url)
-    hit = generate(url, probe, 16, sampling={"ignore_eos": True}, return_logprob=True)
-    after = semblend_totals(url)
-    assert after["outcomes"]["materialized"] == before["outcomes"]["materialized"] + 1, after
-    assert after["reused_tokens"] - before["reused_tokens"] >= 256, after
+    hit, before, after = _semantic_hit(url, donors, probe, return_logprob=True)
     assert after["errors"] == {}, after
     paths = {
         path: after["sparse_extend_batches"][path] - before["sparse_extend_batches"][path]
@@ -133,15 +137,7 @@ def test_a_hit_runs_query_only_and_answers_as_cold(
         url, probe, 16, sampling={"ignore_eos": True}, cache_salt=f"torch-native-cold-{workload}"
     )
     assert cold["meta_info"]["cached_tokens"] == 0
-    agree = next(
-        (
-            i
-            for i, (a, b) in enumerate(zip(hit["output_ids"], cold["output_ids"], strict=True))
-            if a != b
-        ),
-        len(cold["output_ids"]),
-    )
-    assert agree >= 4, (hit, cold)
+    assert _agreement(hit["output_ids"], cold["output_ids"]) >= 4, (hit, cold)
 
 
 def test_paged_server_is_healthy_after_idling(paged_server: SglangServer) -> None:
