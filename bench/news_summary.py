@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -80,20 +80,15 @@ def news_articles() -> tuple[NewsArticle, ...]:
     return tuple(out)
 
 
-def _article_ids(tokenizer: Any, article: NewsArticle) -> tuple[int, ...]:
-    return (
-        *encode(tokenizer, ARTICLE_LABEL),
-        *encode(tokenizer, article.document),
-        *encode(tokenizer, SEPARATOR),
-    )
-
-
 def _fill(
-    tokenizer: Any, order: Iterator[NewsArticle], room: int, skipped: list[NewsArticle]
+    article_ids: Callable[[NewsArticle], tuple[int, ...]],
+    order: Iterator[NewsArticle],
+    room: int,
+    skipped: list[NewsArticle],
 ) -> list[tuple[NewsArticle, tuple[int, ...]]]:
-    """Articles from ``skipped`` (earlier misfits, first) and ``order`` whose tokens fit ``room``
-    together, until fewer than :data:`FILL_SLACK` are left or :data:`MAX_MISFITS` in a row do
-    not fit; the misfits stay in ``skipped`` for the next group."""
+    """Articles from ``skipped`` (earlier misfits, first) and ``order`` whose tokens
+    (``article_ids``) fit ``room`` together, until fewer than :data:`FILL_SLACK` are left or
+    :data:`MAX_MISFITS` in a row do not fit; the misfits stay in ``skipped`` for the next group."""
     chosen: list[tuple[NewsArticle, tuple[int, ...]]] = []
     misfits = 0
     pending = list(skipped)
@@ -102,7 +97,7 @@ def _fill(
         article = pending.pop(0) if pending else next(order, None)
         if article is None:
             break
-        ids = _article_ids(tokenizer, article)
+        ids = article_ids(article)
         if len(ids) <= room:
             chosen.append((article, ids))
             room -= len(ids)
@@ -130,6 +125,14 @@ def build_news_workload(tokenizer: Any, context_tokens: int, groups: int, seed: 
     separator = encode(tokenizer, SEPARATOR)
     instructions = [(*encode(tokenizer, t), *separator) for t in NEWS_INSTRUCTIONS]
     ask = encode(tokenizer, NEWS_ASK)
+    label = encode(tokenizer, ARTICLE_LABEL)
+    tokenized: dict[int, tuple[int, ...]] = {}  # a misfit is tried again by later groups
+
+    def article_ids(article: NewsArticle) -> tuple[int, ...]:
+        if article.row not in tokenized:
+            tokenized[article.row] = (*label, *encode(tokenizer, article.document), *separator)
+        return tokenized[article.row]
+
     fixed = len(frame[0]) + len(frame[1]) + max(len(i) for i in instructions) + len(ask)
     room = context_tokens - fixed
     rng = random.Random(f"{NEWS_WORKLOAD}/{context_tokens}/{seed}")
@@ -139,7 +142,7 @@ def build_news_workload(tokenizer: Any, context_tokens: int, groups: int, seed: 
     skipped: list[NewsArticle] = []
     built = []
     for k in range(groups):
-        articles = _fill(tokenizer, order, room, skipped)
+        articles = _fill(article_ids, order, room, skipped)
         if not articles:
             raise ValueError(
                 f"{NEWS_WORKLOAD} at {context_tokens} tokens: no XSum article left for group {k}"
