@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .essay_pool import REFERENCE_TOKENS, EssayPool, EssaySlice
+from .mixed_prefix_math import MATH_WORKLOAD, build_math_workload
 from .news_summary import NEWS_WORKLOAD, build_news_workload
 from .qa_retrieval import RETRIEVAL_WORKLOAD, build_retrieval_workload
 from .qa_workloads import QA_WORKLOADS, build_qa_workload
@@ -119,13 +120,14 @@ ESSAY_WORKLOADS: tuple[str, ...] = (
     "control",
 )
 """The workloads built from the essays (this module)."""
-DATA_WORKLOADS: tuple[str, ...] = (*QA_WORKLOADS, RETRIEVAL_WORKLOAD, NEWS_WORKLOAD)
+DATA_WORKLOADS: tuple[str, ...] = (*QA_WORKLOADS, RETRIEVAL_WORKLOAD, NEWS_WORKLOAD, MATH_WORKLOAD)
 """The workloads of other modules, built on other data than the essays alone."""
 BUILTIN_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, *DATA_WORKLOADS)
 """Every built-in workload: the essay workloads, the QA workloads of :mod:`.qa_workloads`
 (real questions with gold answers, framed by the model's chat template), ``qa_retrieval``
-(:mod:`.qa_retrieval`: facts planted in the essays, one asked per probe) and ``news_summary``
-(:mod:`.news_summary`: XSum articles summarized under another instruction)."""
+(:mod:`.qa_retrieval`: facts planted in the essays, one asked per probe), ``news_summary``
+(:mod:`.news_summary`: XSum articles summarized under another instruction) and
+``mixed_prefix_math`` (:mod:`.mixed_prefix_math`: SGLang's mixed-prefix few-shot eval on ASDiv)."""
 QUICK_WORKLOADS: tuple[str, ...] = (*ESSAY_WORKLOADS, "qa_rag")
 """What ``bench --quick`` runs by default: every essay workload and ``qa_rag`` (one donor per
 group; ``qa_rag_corpus``'s three donors are left to the full run)."""
@@ -437,6 +439,8 @@ def build_workload(
         return build_retrieval_workload(tokenizer, essays, context_tokens, groups, seed)
     if name == NEWS_WORKLOAD:
         return build_news_workload(tokenizer, context_tokens, groups, seed)
+    if name == MATH_WORKLOAD:
+        return build_math_workload(tokenizer, context_tokens, groups, seed)
     rng = random.Random(f"{name}/{context_tokens}/{seed}")
     pool = EssayPool(tokenizer, essays, rng)
     builder = _BUILDERS[name]

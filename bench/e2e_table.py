@@ -64,9 +64,10 @@ QA_MARKDOWN_COLUMNS: tuple[tuple[str, str, str], ...] = tuple(
 
 QA_HEADING = (
     "QA, each dataset on its own (first repeat; n: probes scored, with (k) when only k have a "
-    "cold run, over which the cold and paired columns are; acc: yes/no right; EM, F1: SQuAD span "
-    "scores; answer = cold: normalized answer equals cold's; b / c: right cold and wrong with "
-    "reuse / the reverse (right: yes/no correct or exact match); McNemar p: exact two-sided):"
+    "cold run, over which the cold and paired columns are; acc: yes/no or number right; EM, "
+    "F1: SQuAD span scores; answer = cold: normalized answer equals cold's; b / c: right cold "
+    "and wrong with reuse / the reverse (right: yes/no or number correct or exact match); "
+    "McNemar p: exact two-sided):"
 )
 
 

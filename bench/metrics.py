@@ -21,6 +21,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .workloads import ANSWER_KINDS
+
 
 def _finite_or_inf(values: Sequence[float], what: str) -> list[float]:
     out = [float(v) for v in values]
@@ -294,12 +296,23 @@ class QAScore:
     rouge_l: float | None = None
 
 
+def number_answer(output: str) -> str | None:
+    """The number SGLang's GSM8K scorer reads from ``output`` (``get_answer_value`` of
+    ``sglang.test.simple_eval_mixed_prefix_gsm8k``: the last number, commas removed), as text;
+    None when it finds none. The scorer is imported on the first call (it imports sglang)."""
+    from sglang.test.simple_eval_mixed_prefix_gsm8k import INVALID, get_answer_value
+
+    value = get_answer_value(output)
+    return None if value == INVALID else str(value)
+
+
 def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:
     """Score a model's ``output`` text against the gold ``answers`` of a ``kind`` question: for
     ``yes_no``, :func:`yes_no` of the output against ``answers[0]``; for ``span``,
     :func:`exact_match` and :func:`token_f1` of :func:`answer_span` of the output; for
-    ``summary``, :func:`rouge_l` of the whole output against each reference (the maximum). The
-    e2e summary calls it per QA record; ValueError for another ``kind``."""
+    ``summary``, :func:`rouge_l` of the whole output against each reference (the maximum); for
+    ``number``, :func:`number_answer` of the output against that of ``answers[0]``. The e2e
+    summary calls it per QA record; ValueError for another ``kind``."""
     if kind == "yes_no":
         return QAScore(1.0 if yes_no(output) == answers[0] else 0.0, None)
     if kind == "span":
@@ -307,21 +320,27 @@ def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:
         return QAScore(exact_match(span, answers), token_f1(span, answers))
     if kind == "summary":
         return QAScore(0.0, None, max(rouge_l(output, a) for a in answers))
-    raise ValueError(f"answer kind must be 'yes_no', 'span' or 'summary', not {kind!r}")
+    if kind == "number":
+        read = number_answer(output)
+        return QAScore(1.0 if read is not None and read == number_answer(answers[0]) else 0.0, None)
+    raise ValueError(f"answer kind must be one of {ANSWER_KINDS}, not {kind!r}")
 
 
 def read_answer(output: str, kind: str) -> str | None:
     """The answer a ``kind`` question's ``output`` gives, normalized, for comparing two runs'
     answers: for ``yes_no`` :func:`yes_no` of the output (None when it has neither word); for
     ``span`` :func:`normalize_answer` of :func:`answer_span`; for ``summary``
-    :func:`normalize_answer` of the whole output. ValueError for another ``kind``."""
+    :func:`normalize_answer` of the whole output; for ``number`` :func:`number_answer`.
+    ValueError for another ``kind``."""
     if kind == "yes_no":
         return yes_no(output)
     if kind == "span":
         return normalize_answer(answer_span(output))
     if kind == "summary":
         return normalize_answer(output)
-    raise ValueError(f"answer kind must be 'yes_no', 'span' or 'summary', not {kind!r}")
+    if kind == "number":
+        return number_answer(output)
+    raise ValueError(f"answer kind must be one of {ANSWER_KINDS}, not {kind!r}")
 
 
 def mcnemar_exact(b: int, c: int) -> float:

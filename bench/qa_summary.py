@@ -48,14 +48,14 @@ def _qa_score(rec: ProbeRecord) -> QAScore:
 
 
 def _qa_means(scored: Sequence[tuple[ProbeRecord, QAScore]], prefix: str = "") -> dict[str, Any]:
-    """``{prefix}accuracy`` (mean yes/no correct over the ``yes_no`` probes), ``{prefix}em`` and
-    ``{prefix}f1`` (mean exact match and token F1 over the ``span`` probes), ``{prefix}rouge_l``
-    (mean ROUGE-L against the reference over the ``summary`` probes); None where the probes have
-    no answer of that kind."""
-    yes_no = [s.correct for r, s in scored if _gold(r).kind == "yes_no"]
+    """``{prefix}accuracy`` (mean correct over the ``yes_no`` and ``number`` probes: answers right
+    or wrong as a whole), ``{prefix}em`` and ``{prefix}f1`` (mean exact match and token F1 over
+    the ``span`` probes), ``{prefix}rouge_l`` (mean ROUGE-L against the reference over the
+    ``summary`` probes); None where the probes have no answer of that kind."""
+    whole = [s.correct for r, s in scored if _gold(r).kind in ("yes_no", "number")]
     spans = [s for r, s in scored if _gold(r).kind == "span"]
     return {
-        f"{prefix}accuracy": mean_or_none(yes_no),
+        f"{prefix}accuracy": mean_or_none(whole),
         f"{prefix}em": mean_or_none([s.correct for s in spans]),
         f"{prefix}f1": mean_or_none([s.f1 for s in spans if s.f1 is not None]),
         f"{prefix}rouge_l": mean_or_none([s.rouge_l for _, s in scored if s.rouge_l is not None]),
@@ -96,24 +96,26 @@ def dataset_order(names: Sequence[str]) -> list[str]:
 
 
 def qa_columns(mine: Sequence[ProbeRecord]) -> dict[str, Any]:
-    """A row's first-repeat answers (``text``) scored against the gold answers its probes carry
-    (the QA workloads; :func:`.metrics.score_answer`), each dataset on its own.
+    """A row's first-repeat answers (``text``) scored against the gold answers its probes carry (the
+    QA workloads; :func:`.metrics.score_answer`), each dataset on its own.
 
-    ``qa_probes``: probes with a gold answer; ``qa_span_probes``: of them, those with span answers.
-    ``qa_by_dataset``: dataset (the gold answer's; :data:`UNNAMED_DATASET` when it names none) ->
-    source (:data:`QA_SOURCES`, those with a scored probe) -> cell. Every cell: ``n`` (probes
-    scored), ``accuracy`` (share of yes/no answers right), ``em`` and ``f1`` (mean SQuAD exact match
-    and token F1 of span answers), ``rouge_l`` (mean ROUGE-L of summaries against their
-    reference), ``kl`` (mean of SGLang's KL measure of the answers against their cold replays,
-    :attr:`.ProbeRecord.kl`); a mean is None where the dataset has no answer of its kind (no
-    replay: ``kl``). A source other than ``cold`` adds, over its ``paired`` probes (those with
-    vanilla's cold run of the same probe): ``cold_accuracy``, ``cold_em``, ``cold_f1``,
-    ``cold_rouge_l`` (cold's scores on them), ``agreement`` (share whose
-    :func:`.metrics.read_answer` equals cold's), ``greedy_agreement`` (mean agreement of the first
-    32 greedy tokens with cold's), ``b`` (right cold, wrong here; right: yes/no correct or exact
-    match; summaries are not counted), ``c`` (the reverse) and ``mcnemar_p``
-    (:func:`.metrics.mcnemar_exact`); the means are None and the counts 0 when none is paired. Empty
-    ``qa_by_dataset`` in rows without gold answers. :func:`summarize` calls it per row."""
+    ``qa_probes``: probes with a gold answer; ``qa_span_probes``: of them, those with span
+    answers. ``qa_by_dataset``: dataset (the gold answer's; :data:`UNNAMED_DATASET` when it names
+    none) -> source (:data:`QA_SOURCES`, those with a scored probe) -> cell. Every cell: ``n``
+    (probes scored), ``accuracy`` (share of yes/no and number answers right), ``em`` and ``f1``
+    (mean SQuAD exact match and token F1 of span answers), ``rouge_l`` (mean ROUGE-L of summaries
+    against their reference), ``kl`` (mean of SGLang's KL measure of the answers against their
+    cold replays, :attr:`.ProbeRecord.kl`); a mean is None where the dataset has no answer of its
+    kind (no replay: ``kl``). A source other than ``cold`` adds, over its ``paired`` probes
+    (those with vanilla's cold run of the same probe): ``cold_accuracy``, ``cold_em``,
+    ``cold_f1``, ``cold_rouge_l`` (cold's scores on them), ``agreement`` (share whose
+    :func:`.metrics.read_answer` equals cold's), ``greedy_agreement`` (mean agreement of the
+    first 32 greedy tokens with cold's), ``b`` (right cold, wrong here; right: a yes/no or number
+    answer correct or a span's exact match; summaries are not counted), ``c`` (the reverse) and
+    ``mcnemar_p`` (:func:`.metrics.mcnemar_exact`); the means are None and the counts 0 when none
+    is paired. Empty ``qa_by_dataset`` in rows without gold answers. :func:`summarize` calls it
+    per row.
+    """
     asked = {(r.group_id, r.probe): r.gold for r in mine if r.gold is not None}
     scored = [r for r in mine if r.gold is not None and r.repeat == 0]
     cold_of = {

