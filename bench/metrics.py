@@ -296,14 +296,15 @@ class QAScore:
     rouge_l: float | None = None
 
 
-def number_answer(output: str) -> str | None:
+def number_answer(output: str) -> float | None:
     """The number SGLang's GSM8K scorer reads from ``output`` (``get_answer_value`` of
-    ``sglang.test.simple_eval_mixed_prefix_gsm8k``: the last number, commas removed), as text;
-    None when it finds none. The scorer is imported on the first call (it imports sglang)."""
+    ``sglang.test.simple_eval_mixed_prefix_gsm8k``: the last number, commas removed), as a float
+    (the scorer compares with ``==``, so 7 and 7.0 are one answer); None when it finds none. The
+    scorer is imported on the first call (it imports sglang)."""
     from sglang.test.simple_eval_mixed_prefix_gsm8k import INVALID, get_answer_value
 
     value = get_answer_value(output)
-    return None if value == INVALID else str(value)
+    return None if value == INVALID else float(value)
 
 
 def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:
@@ -339,7 +340,8 @@ def read_answer(output: str, kind: str) -> str | None:
     if kind == "summary":
         return normalize_answer(output)
     if kind == "number":
-        return number_answer(output)
+        read = number_answer(output)
+        return None if read is None else repr(read)
     raise ValueError(f"answer kind must be one of {ANSWER_KINDS}, not {kind!r}")
 
 

@@ -114,40 +114,66 @@ def _split_prefix(prefix: str, shots: dict[str, tuple[int, ...]]) -> list[tuple[
     return out
 
 
-def build_math_workload(tokenizer: Any, context_tokens: int, groups: int, seed: int) -> Workload:
-    """The ``mixed_prefix_math`` workload (module doc): ``groups`` groups of :data:`DONORS` donors
-    and one probe, every prompt at most ``context_tokens`` long. ``tokenizer``: transformers'
-    tokenizer of the served model (its chat template frames the prompts). ValueError when the
-    primary shots leave no room for a secondary shot or the file has too few lines."""
+def _eval_rows() -> list[dict[str, str]]:
+    """The eval lines as the eval's helpers take them."""
+    return [{"question": m.question, "answer": m.answer} for m in math_lines()]
+
+
+def _shot_text(rows: Sequence[dict[str, str]], i: int) -> str:
+    """Line ``i`` as a shot, as the eval's ``_build_prefix`` renders it."""
     from sglang.test.simple_eval_mixed_prefix_gsm8k import get_one_example
 
+    return str(get_one_example(rows, i, True)) + "\n\n"
+
+
+def _question_text(rows: Sequence[dict[str, str]], i: int) -> str:
+    """Line ``i`` as the question asked after the prefix."""
+    from sglang.test.simple_eval_mixed_prefix_gsm8k import get_one_example
+
+    return str(get_one_example(rows, i, False))
+
+
+def longest_prompt(tokenizer: Any, pool: int, asked: int) -> int:
+    """Tokens in the longest prompt a secondary pool of ``pool`` lines can make when ``asked``
+    lines are asked: the chat frame, every primary and secondary shot and the longest question."""
+    rows = _eval_rows()
+    head, tail = chat_frame(tokenizer)
+    first = PRIMARY_SHOTS + pool
+    shots = sum(len(encode(tokenizer, _shot_text(rows, i))) for i in range(first))
+    question = max(
+        len(encode(tokenizer, _question_text(rows, i))) for i in range(first, first + asked)
+    )
+    return len(head) + len(tail) + shots + question
+
+
+def secondary_pool_size(tokenizer: Any, context_tokens: int, asked: int) -> int:
+    """The largest secondary pool whose :func:`longest_prompt` fits ``context_tokens`` with
+    ``asked`` lines left to ask; 0 when not even one secondary shot fits."""
+    pool, lines = 0, len(math_lines())
+    while (
+        PRIMARY_SHOTS + pool + 1 + asked <= lines
+        and longest_prompt(tokenizer, pool + 1, asked) <= context_tokens
+    ):
+        pool += 1
+    return pool
+
+
+def build_math_workload(tokenizer: Any, context_tokens: int, groups: int, seed: int) -> Workload:
+    """The ``mixed_prefix_math`` workload (module doc): ``groups`` groups of :data:`DONORS` donors
+    and one probe, every prompt at most ``context_tokens`` long (the secondary pool:
+    :func:`secondary_pool_size`). ``tokenizer``: transformers' tokenizer of the served model (its
+    chat template frames the prompts). ValueError when the primary shots leave no room for a
+    secondary shot or the file has too few lines."""
     lines = math_lines()
     asked = groups + DONORS
     head, tail = chat_frame(tokenizer)
-    rows = [{"question": m.question, "answer": m.answer} for m in lines]
-    shot_text = [get_one_example(rows, i, True) + "\n\n" for i in range(len(rows))]
-    lengths: list[int] = []  # shot i's token count, filled as the pool grows
-    asked_lengths: dict[int, int] = {}
-
-    def shot_ids(i: int) -> tuple[int, ...]:
-        return encode(tokenizer, shot_text[i])
-
-    def question_ids(i: int) -> tuple[int, ...]:
-        return encode(tokenizer, get_one_example(rows, i, False))
-
-    def longest(pool: int) -> int:
-        first = PRIMARY_SHOTS + pool
-        while len(lengths) < first:
-            lengths.append(len(shot_ids(len(lengths))))
-        for i in range(first, first + asked):
-            if i not in asked_lengths:
-                asked_lengths[i] = len(question_ids(i))
-        questions = max(asked_lengths[i] for i in range(first, first + asked))
-        return len(head) + len(tail) + sum(lengths[:first]) + questions
-
-    pool = 0
-    while PRIMARY_SHOTS + pool + 1 + asked <= len(lines) and longest(pool + 1) <= context_tokens:
-        pool += 1
+    rows = _eval_rows()
+    if PRIMARY_SHOTS + 1 + asked > len(lines):
+        raise ValueError(
+            f"{MATH_WORKLOAD}: {groups} groups ask {asked} lines; the file has {len(lines)} "
+            f"lines, {PRIMARY_SHOTS + 1} of them needed as shots"
+        )
+    pool = secondary_pool_size(tokenizer, context_tokens, asked)
     if pool == 0:
         raise ValueError(
             f"{MATH_WORKLOAD} at {context_tokens} tokens: the {PRIMARY_SHOTS} primary shots "
@@ -155,14 +181,19 @@ def build_math_workload(tokenizer: Any, context_tokens: int, groups: int, seed: 
         )
     evaluation = _mixed_prefix_eval(lines, pool, asked, seed)
     first = PRIMARY_SHOTS + pool
-    shots = {shot_text[i]: shot_ids(i) for i in range(first)}
+    shots = {_shot_text(rows, i): encode(tokenizer, _shot_text(rows, i)) for i in range(first)}
 
     def pieces_of(idx: int) -> list[tuple[int, ...]]:
         return _split_prefix(evaluation._build_prefix(idx), shots)
 
     def request(idx: int, role: str, gid: str) -> BenchRequest:
         pieces = pieces_of(idx)
-        prompt = (*head, *(t for p in pieces for t in p), *question_ids(first + idx), *tail)
+        prompt = (
+            *head,
+            *(t for p in pieces for t in p),
+            *encode(tokenizer, _question_text(rows, first + idx)),
+            *tail,
+        )
         line = lines[first + idx]
         gold = GoldAnswer("number", (line.answer,), MATH_DATASET)
         what = f"{gid} {role}: ASDiv eval line {idx}, {len(pieces)} shots"
