@@ -17,6 +17,7 @@ from semblend_sglang.bench.e2e_summary import summarize
 from semblend_sglang.bench.metrics import read_answer, score_answer
 from semblend_sglang.bench.qa_workloads import chat_frame
 from semblend_sglang.bench.workloads import GoldAnswer
+from tests.harness.qa_records import qa_record
 
 GROUPS = 6
 LENGTHS = (512, 1024)
@@ -124,21 +125,15 @@ def test_a_number_is_read_as_sglangs_scorer_reads_it() -> None:
 
 
 def _rec(system: str, kind: str, group: str, text: str) -> ProbeRecord:
-    return ProbeRecord(
+    return qa_record(
         mpm.MATH_WORKLOAD,
-        1024,
-        group,
-        0,
         system,
         kind,
-        1.0,
-        1000,
-        0,
-        output_ids=[1, 2, 3],
-        text=text,
+        group,
+        text,
+        GoldAnswer("number", ("7 bracelets",), mpm.MATH_DATASET),
+        ids=(1, 2, 3),
         donors=mpm.DONORS,
-        gold=GoldAnswer("number", ("7 bracelets",), mpm.MATH_DATASET),
-        outcome="materialized" if system != "vanilla" else None,
     )
 
 

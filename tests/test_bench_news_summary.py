@@ -16,6 +16,7 @@ from semblend_sglang.bench.e2e_summary import summarize
 from semblend_sglang.bench.metrics import read_answer, rouge_l, score_answer
 from semblend_sglang.bench.qa_workloads import chat_frame
 from semblend_sglang.bench.workloads import GoldAnswer
+from tests.harness.qa_records import qa_record
 
 
 @pytest.fixture(scope="module")
@@ -127,22 +128,7 @@ def test_a_summary_is_scored_by_rouge_l_and_never_right_or_wrong() -> None:
 
 
 def _rec(system: str, kind: str, group: str, text: str) -> ProbeRecord:
-    return ProbeRecord(
-        ns.NEWS_WORKLOAD,
-        1024,
-        group,
-        0,
-        system,
-        kind,
-        1.0,
-        1000,
-        0,
-        output_ids=[1, 2, 3],
-        text=text,
-        donors=1,
-        gold=SODJE,
-        outcome="materialized" if system != "vanilla" else None,
-    )
+    return qa_record(ns.NEWS_WORKLOAD, system, kind, group, text, SODJE, ids=(1, 2, 3), donors=1)
 
 
 def test_the_summary_cell_gives_rouge_l_beside_cold_and_no_mcnemar_counts() -> None:

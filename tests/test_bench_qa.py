@@ -44,6 +44,7 @@ from semblend_sglang.bench.qa_data import (
 from semblend_sglang.bench.qa_summary import qa_columns
 from semblend_sglang.bench.report import console_table
 from semblend_sglang.bench.workloads import GoldAnswer, RequestGroup, Workload
+from tests.harness.qa_records import qa_record
 
 LENGTHS = (512, 1024, 2048)
 GROUPS = 4
@@ -429,23 +430,7 @@ def _qa(
     repeat: int = 0,
     ids: Sequence[int] = (),
 ) -> ProbeRecord:
-    return ProbeRecord(
-        "qa_rag",
-        1024,
-        group,
-        0,
-        system,
-        kind,
-        1.0,
-        1000,
-        0,
-        output_ids=list(ids),
-        text=output,
-        donors=1,
-        repeat=repeat,
-        gold=gold,
-        outcome="materialized" if system != "vanilla" else None,
-    )
+    return qa_record("qa_rag", system, kind, group, output, gold, repeat=repeat, ids=ids)
 
 
 # Real questions of the two datasets (BoolQ dev, DisflQA test) with hand-written outputs.
