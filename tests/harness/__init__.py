@@ -13,6 +13,7 @@
 * `random_models`: tiny random-weight HF model folders of each RoPE shape RopeSpec accepts
   (and one model class the recompute layer hook does not know), for the real server;
 * `server`: the real SGLang server for end-to-end tests (`healthy_server`);
+* `qa_records`: bench records of scored QA probes for the summary tests (`qa_record`);
 * `versions`: which version is installed, and what the adapter-contract suite
   (tests/contract) needs to know about it.
 
