@@ -301,10 +301,11 @@ def number_answer(output: str) -> float | None:
     ``sglang.test.simple_eval_mixed_prefix_gsm8k``: the last number, commas removed), as a float
     (the scorer compares with ``==``, so 7 and 7.0 are one answer); None when it finds none. The
     scorer is imported on the first call (it imports sglang)."""
-    from sglang.test.simple_eval_mixed_prefix_gsm8k import INVALID, get_answer_value
+    from .mixed_prefix_math import sglang_mixed_prefix_eval
 
-    value = get_answer_value(output)
-    return None if value == INVALID else float(value)
+    scorer = sglang_mixed_prefix_eval()
+    value = scorer.get_answer_value(output)
+    return None if value == scorer.INVALID else float(value)
 
 
 def score_answer(output: str, kind: str, answers: Sequence[str]) -> QAScore:

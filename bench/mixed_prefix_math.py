@@ -80,18 +80,29 @@ def math_lines() -> tuple[MathLine, ...]:
     return tuple(out)
 
 
+def sglang_mixed_prefix_eval() -> Any:
+    """SGLang's ``sglang.test.simple_eval_mixed_prefix_gsm8k`` module (the eval, its prompt
+    helper and its scorer), imported on the first call: it imports sglang, whose transformers
+    patch needs torchvision importable first (``cpu_runtime.ensure_torchvision_importable``)."""
+    from ..cpu_runtime import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    import sglang.test.simple_eval_mixed_prefix_gsm8k as module
+
+    return module
+
+
 def _mixed_prefix_eval(lines: Sequence[MathLine], pool: int, asked: int, seed: int) -> Any:
     """SGLang's ``MixedPrefixGSM8KEval`` over ``lines`` (written as its JSONL data file), with
     :data:`PRIMARY_SHOTS` primary shots, a secondary pool of ``pool`` and ``asked`` lines."""
-    from sglang.test.simple_eval_mixed_prefix_gsm8k import MixedPrefixGSM8KEval
-
+    eval_class = sglang_mixed_prefix_eval().MixedPrefixGSM8KEval
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "asdiv.jsonl"
         data.write_text(
             "".join(json.dumps({"question": m.question, "answer": m.answer}) + "\n" for m in lines),
             encoding="utf-8",
         )
-        return MixedPrefixGSM8KEval(
+        return eval_class(
             num_examples=asked,
             num_threads=1,
             num_shots=PRIMARY_SHOTS,
@@ -121,16 +132,12 @@ def _eval_rows() -> list[dict[str, str]]:
 
 def _shot_text(rows: Sequence[dict[str, str]], i: int) -> str:
     """Line ``i`` as a shot, as the eval's ``_build_prefix`` renders it."""
-    from sglang.test.simple_eval_mixed_prefix_gsm8k import get_one_example
-
-    return str(get_one_example(rows, i, True)) + "\n\n"
+    return str(sglang_mixed_prefix_eval().get_one_example(rows, i, True)) + "\n\n"
 
 
 def _question_text(rows: Sequence[dict[str, str]], i: int) -> str:
     """Line ``i`` as the question asked after the prefix."""
-    from sglang.test.simple_eval_mixed_prefix_gsm8k import get_one_example
-
-    return str(get_one_example(rows, i, False))
+    return str(sglang_mixed_prefix_eval().get_one_example(rows, i, False))
 
 
 def longest_prompt(tokenizer: Any, pool: int, asked: int) -> int:
