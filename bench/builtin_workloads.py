@@ -419,10 +419,9 @@ def build_workload(
     workload, each of the ``groups`` groups has one donor and one probe (control: one probe, no
     donor; rag_corpus: three donors); probes are exactly ``context_tokens`` long and every
     request carries :data:`REFERENCE_TOKENS` reference tokens, the essay text right after its
-    last essay slice. ``qa_rag`` and ``qa_rag_corpus`` are built by
-    :func:`.qa_workloads.build_qa_workload` (requests at most ``context_tokens`` long, each with
-    its gold answer), ``qa_retrieval`` by :func:`.qa_retrieval.build_retrieval_workload` (from
-    ``essays``; likewise). Deterministic for equal arguments (see the module doc).
+    last essay slice. The workloads of :data:`DATA_WORKLOADS` are built by their own modules
+    (requests at most ``context_tokens`` long, each with its gold; ``qa_retrieval`` from
+    ``essays``). Deterministic for equal arguments (see the module doc).
 
     Raises ValueError for an unknown name, ``context_tokens < MIN_CONTEXT_TOKENS``,
     ``groups < 1``, or when the essays cannot supply enough non-overlapping text.
