@@ -56,6 +56,10 @@ JOBS: dict[str, tuple[str, str]] = {
         "semblend_sglang.bench.gate_eval",
         "Quality gate and post-hoc guard on e2e records: precision/recall for answers lost.",
     ),
+    "kl-along": (
+        "semblend_sglang.bench.kl_along",
+        "Where along reused answers KL rises: terms before, at and after the divergence from cold.",
+    ),
     "any-weights": (
         "semblend_sglang.bench.any_weights",
         "Checks that hold for any weights (recompute-all = cold, delta 0, split view = mask).",

@@ -102,18 +102,25 @@ def ppl_ratio(test_logprobs: Sequence[float], cold_logprobs: Sequence[float]) ->
     return math.exp(math.fsum(cold) / len(cold) - math.fsum(test) / len(test))
 
 
-def kl_divergence(output_logprobs: Sequence[float], replay_logprobs: Sequence[float]) -> float:
-    """SGLang's KL measure of one answer (``sglang.test.kl_test_utils.compare_kl_divergence``,
-    one sample): the mean over its tokens of ``exp(r) - 1 - r`` with ``r = replay - output``,
+def kl_terms(output_logprobs: Sequence[float], replay_logprobs: Sequence[float]) -> list[float]:
+    """The per-token terms of SGLang's KL measure (``sglang.test.kl_test_utils``'s
+    ``compare_kl_divergence``): ``exp(r) - 1 - r`` with ``r = replay - output`` at each token,
     where ``output_logprobs`` are the logprobs the server gave the tokens it generated and
     ``replay_logprobs`` those of the same tokens teacher-forced through a cold, full prefill of
-    prompt + answer. 0 = the answer's own distribution is the cold one at every token it took.
-    ValueError if the two differ in length, are empty, or hold NaN."""
+    prompt + answer. Each term is >= 0; 0 where the two logprobs are equal. ValueError if the
+    two differ in length, are empty, or hold NaN."""
     output = _finite_or_inf(output_logprobs, "kl_divergence output")
     replay = _finite_or_inf(replay_logprobs, "kl_divergence replay")
     if len(output) != len(replay):
         raise ValueError(f"kl_divergence: {len(output)} output vs {len(replay)} replay logprobs")
-    terms = [math.expm1(r - o) - (r - o) for o, r in zip(output, replay, strict=True)]
+    return [math.expm1(r - o) - (r - o) for o, r in zip(output, replay, strict=True)]
+
+
+def kl_divergence(output_logprobs: Sequence[float], replay_logprobs: Sequence[float]) -> float:
+    """SGLang's KL measure of one answer (``compare_kl_divergence``, one sample): the mean of
+    its :func:`kl_terms`. 0 = the answer's own distribution is the cold one at every token it
+    took. ValueError as :func:`kl_terms`."""
+    terms = kl_terms(output_logprobs, replay_logprobs)
     return math.fsum(terms) / len(terms)
 
 

@@ -268,6 +268,17 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     # written group by group: the same records, in order, even had the run been cut short
     lines = (out / "e2e.records.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == records
+    # bench kl-along reads them back: the hit's row carries SGLang's KL of its answer
+    along = subprocess.run(
+        [sys.executable, "-m", "semblend_sglang.bench", "kl-along", str(out / "e2e.records.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert along.returncode == 0, along.stderr
+    hit = next(ProbeRecord(**r) for r in first if r["outcome"] == "materialized")
+    assert hit.kl is not None
+    assert f"| {hit.group_id} | {hit.kl:.1e} |" in along.stdout
     # each started server's tree peaked above the fp32 weights it loaded (SmolLM2-135M: 0.5 GB)
     assert set(report["server_peak_rss_bytes"]) == {"vanilla", "exact_spans"}
     assert all(b > 500_000_000 for b in report["server_peak_rss_bytes"].values())
