@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,9 +112,28 @@ def _correct(rec: ProbeRecord) -> bool | None:
     return score_answer(rec.text, rec.gold.kind, rec.gold.answers).correct >= 1.0
 
 
-def gate_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> list[GateCase]:
-    """The cases of ``system``: its repeat-0 probes that reused KV, each with vanilla's cold
-    run of the same probe; probes without a cold run are left out."""
+@dataclass(frozen=True, slots=True)
+class ProbeRuns:
+    """Every run of one probe, all repeats in record order: ``reused``, a semblend system's
+    semantic runs, and ``cold``, vanilla's cold runs. Built by :func:`runs_beside_cold`."""
+
+    reused: tuple[ProbeRecord, ...]
+    cold: tuple[ProbeRecord, ...]
+
+    def first_hit(self) -> tuple[ProbeRecord, ProbeRecord] | None:
+        """Repeat 0 of the reused run and of the cold run when the reused one was served from
+        reused KV (outcome ``materialized``); None otherwise or when either is missing."""
+        reused = next((r for r in self.reused if r.repeat == 0), None)
+        cold = next((r for r in self.cold if r.repeat == 0), None)
+        if reused is None or cold is None or reused.outcome != "materialized":
+            return None
+        return reused, cold
+
+
+def runs_beside_cold(records: Iterable[ProbeRecord], system: str) -> list[ProbeRuns]:
+    """Per probe (workload, length, group, probe; in that sorted order) that ``system`` or
+    vanilla's cold run measured, its :class:`ProbeRuns`. The judges of reused answers against
+    cold (:func:`gate_cases`, :func:`.kl_along.kl_cases`) pair runs here."""
     runs: dict[tuple, dict[str, list[ProbeRecord]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         key = (rec.workload, rec.context_tokens, rec.group_id, rec.probe)
@@ -122,14 +141,18 @@ def gate_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> l
             runs[key]["reused"].append(rec)
         elif rec.system == "vanilla" and rec.kind == "cold":
             runs[key]["cold"].append(rec)
+    return [ProbeRuns(tuple(runs[key]["reused"]), tuple(runs[key]["cold"])) for key in sorted(runs)]
+
+
+def gate_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> list[GateCase]:
+    """The cases of ``system``: its repeat-0 probes that reused KV, each with vanilla's cold
+    run of the same probe; probes without a cold run are left out."""
     cases = []
-    for key in sorted(runs):
-        got = runs[key]
-        reused = [r for r in got["reused"] if r.repeat == 0]
-        cold = [r for r in got["cold"] if r.repeat == 0]
-        if not reused or not cold or reused[0].outcome != "materialized":
+    for got in runs_beside_cold(records, system):
+        pair = got.first_hit()
+        if pair is None:
             continue
-        first, base = reused[0], cold[0]
+        first, base = pair
         cases.append(
             GateCase(
                 workload=first.workload,
@@ -138,8 +161,8 @@ def gate_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> l
                 cold_correct=_correct(base),
                 reused_correct=_correct(first),
                 changed=list(first.output_ids) != list(base.output_ids),
-                cold_ttft_s=statistics.median(r.ttft_s for r in got["cold"]),
-                reused_ttft_s=statistics.median(r.ttft_s for r in got["reused"]),
+                cold_ttft_s=statistics.median(r.ttft_s for r in got.cold),
+                reused_ttft_s=statistics.median(r.ttft_s for r in got.reused),
                 dataset=None if base.gold is None else base.gold.dataset or UNNAMED_DATASET,
             )
         )
@@ -261,21 +284,41 @@ def table(cases: Sequence[GateCase]) -> str:
     return "\n".join(lines)
 
 
+def records_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The arguments of a job that judges e2e records (``bench gate``, ``bench kl-along``):
+    ``RECORDS...`` (paths), ``--system`` and ``--workloads``; read each path with
+    :func:`wanted_records`."""
+    for option in (
+        click.option("--workloads", default="", help="Only these workloads (comma-separated)."),
+        click.option("--system", default="exact_spans", show_default=True, help="Semblend system."),
+        click.argument(
+            "records", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path)
+        ),
+    ):
+        command = option(command)
+    return command
+
+
+def wanted_records(path: Path, workloads: str) -> list[ProbeRecord]:
+    """The records of ``path`` (:func:`read_records`), only those of ``workloads``
+    (comma-separated) unless it is empty. A job pairs each file's records on their own (a probe
+    of two runs is two cases) and pools the cases."""
+    wanted = {w for w in workloads.split(",") if w}
+    return [r for r in read_records(path) if not wanted or r.workload in wanted]
+
+
+def no_cases(system: str, records: Sequence[Path]) -> click.ClickException:
+    """The error of a records job that found no case of ``system`` in ``records``."""
+    return click.ClickException(f"no {system} probe that reused KV has a cold run in {records}")
+
+
 @click.command()
-@click.argument("records", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--system", default="exact_spans", show_default=True, help="Semblend system.")
-@click.option("--workloads", default="", help="Only these workloads (comma-separated).")
+@records_options
 def command(records: tuple[Path, ...], system: str, workloads: str) -> None:
     """Quality gate and post-hoc guard on e2e records: precision/recall of each signal for
     answers lost against cold, accuracy per dataset once flagged probes answer as cold,
     modelled cost."""
-    wanted = {w for w in workloads.split(",") if w}
-    cases = [
-        c
-        for path in records
-        for c in gate_cases(read_records(path), system)
-        if not wanted or c.workload in wanted
-    ]
+    cases = [c for path in records for c in gate_cases(wanted_records(path, workloads), system)]
     if not cases:
-        raise click.ClickException(f"no {system} probe that reused KV has a cold run in {records}")
+        raise no_cases(system, records)
     click.echo(table(cases))

@@ -21,7 +21,6 @@ the means over the cases that diverge. Read-only: it never talks to a server.
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import click
 
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord
-from .gate_eval import read_records
+from .gate_eval import no_cases, records_options, runs_beside_cold, wanted_records
 from .metrics import first_divergence, kl_terms
 
 
@@ -64,7 +63,8 @@ def _mean(values: Sequence[float]) -> float | None:
 def kl_along(reused: ProbeRecord, cold: ProbeRecord) -> KlAlong | None:
     """``reused``'s KL terms against its divergence from ``cold`` (same probe); None when
     ``reused`` has no replay (a timing repeat)."""
-    if reused.kl is None:
+    kl = reused.kl
+    if kl is None:
         return None
     terms = kl_terms(reused.output_logprobs, reused.replay_logprobs)
     d = first_divergence(reused.output_ids[:GREEDY_TOKENS], cold.output_ids[:GREEDY_TOKENS])
@@ -73,7 +73,7 @@ def kl_along(reused: ProbeRecord, cold: ProbeRecord) -> KlAlong | None:
     peak_at = max(range(len(terms)), key=terms.__getitem__)
     return KlAlong(
         group_id=reused.group_id,
-        kl=statistics.fmean(terms),
+        kl=kl,
         divergence=d,
         before=_mean(terms[: len(terms) if d is None else d]),
         at=at,
@@ -87,25 +87,12 @@ def kl_along(reused: ProbeRecord, cold: ProbeRecord) -> KlAlong | None:
 
 
 def kl_cases(records: Iterable[ProbeRecord], system: str = "exact_spans") -> list[KlAlong]:
-    """The cases of ``system``: its repeat-0 materialized probes with a replay, each beside
-    vanilla's repeat-0 cold run of the same probe, in group order."""
-    runs: dict[tuple, dict[str, ProbeRecord]] = defaultdict(dict)
-    for rec in records:
-        key = (rec.workload, rec.context_tokens, rec.group_id, rec.probe)
-        if rec.repeat != 0:
-            continue
-        if rec.system == system and rec.kind == "semantic" and rec.outcome == "materialized":
-            runs[key]["reused"] = rec
-        elif rec.system == "vanilla" and rec.kind == "cold":
-            runs[key]["cold"] = rec
-    cases = []
-    for key in sorted(runs):
-        got = runs[key]
-        if "reused" in got and "cold" in got:
-            case = kl_along(got["reused"], got["cold"])
-            if case is not None:
-                cases.append(case)
-    return cases
+    """The cases of ``system``: its repeat-0 probes that reused KV and have a replay, each
+    beside vanilla's repeat-0 cold run of the same probe (:func:`.gate_eval.runs_beside_cold`),
+    in probe order."""
+    pairs = (runs.first_hit() for runs in runs_beside_cold(records, system))
+    cases = (kl_along(*pair) for pair in pairs if pair is not None)
+    return [case for case in cases if case is not None]
 
 
 def _fmt(value: float | int | None, spec: str) -> str:
@@ -128,35 +115,24 @@ def table(cases: Sequence[KlAlong]) -> str:
     split = [c for c in cases if c.divergence is not None]
     if split:
 
-        def mean_of(values: Iterable[float | None]) -> str:
-            kept = [v for v in values if v is not None]
-            return _fmt(_mean(kept), ".1e")
+        def mean_of(values: Iterable[float | None], spec: str = ".1e") -> str:
+            return _fmt(_mean([v for v in values if v is not None]), spec)
 
         lines.append(
             f"| mean of {len(split)} diverging | {mean_of(c.kl for c in split)} | — "
             f"| {mean_of(c.before for c in split)} | {mean_of(c.at for c in split)} "
-            f"| {mean_of(c.after for c in split)} | "
-            f"{_fmt(_mean([c.cold_margin for c in split if c.cold_margin is not None]), '.3f')} "
-            "| — | — | — |"
+            f"| {mean_of(c.after for c in split)} "
+            f"| {mean_of((c.cold_margin for c in split), '.3f')} | — | — | — |"
         )
     return "\n".join(lines)
 
 
 @click.command()
-@click.argument("records", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--system", default="exact_spans", show_default=True, help="Semblend system.")
-@click.option("--workloads", default="", help="Only these workloads (comma-separated).")
+@records_options
 def command(records: tuple[Path, ...], system: str, workloads: str) -> None:
     """Per reused answer: SGLang's KL terms before, at and after its first divergence from
     cold, cold's margin there, the largest term and where it is."""
-    wanted = {w for w in workloads.split(",") if w}
-    cases = [
-        c
-        for path in records
-        for c in kl_cases(
-            (r for r in read_records(path) if not wanted or r.workload in wanted), system
-        )
-    ]
+    cases = [c for path in records for c in kl_cases(wanted_records(path, workloads), system)]
     if not cases:
-        raise click.ClickException(f"no {system} probe that reused KV has a cold run in {records}")
+        raise no_cases(system, records)
     click.echo(table(cases))
