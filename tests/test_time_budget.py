@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -53,3 +55,31 @@ def test_a_suite_over_budget_fails_only_when_asked(suite: pytest.Pytester) -> No
     plain = suite.runpytest_subprocess("-p", "tests.time_budget")
     assert plain.ret == pytest.ExitCode.OK
     plain.stdout.fnmatch_lines(["*in all (budget 0 s*"])
+
+
+def test_the_real_server_starts_are_counted_per_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin counts each call of ``semblend_sglang.server.start_server`` against the test
+    running it. Here ``start_server`` is a recorder standing in for the real start (the count,
+    not the server, is under test)."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    pytester.makeconftest(
+        "from semblend_sglang import server\n"
+        "server.start_server = lambda *args, **kwargs: None  # stand-in: no real start\n"
+    )
+    pytester.makepyfile(
+        "from semblend_sglang import server\n\n"
+        "def test_two_starts():\n    server.start_server('m')\n    server.start_server('m')\n\n"
+        "def test_none():\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "tests.time_budget")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [
+            "*2 real server starts in this process*",
+            "   2  test_the_real_server_starts*::test_two_starts",
+        ]
+    )
+    counted = [line for line in result.outlines if re.fullmatch(r"\s*\d+  \S+::test_\w+", line)]
+    assert len(counted) == 1  # the test that started none is not listed

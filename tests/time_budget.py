@@ -7,12 +7,17 @@ module-scoped server's start counts for the test that started it) and their tota
 run when the slowest tests' total is over :data:`BUDGET_S`, the budget of this machine's CPU
 kind. The budgets and the quiet measurements behind them are in docs/perf.md ("CI wall time");
 raise one only together with that table, so that a suite that grows is seen when it grows.
-Without the option it only prints.
+Without the option it only prints. It also counts the real servers the run started in its own
+process (:func:`semblend_sglang.server.start_server`, wrapped at configure time), per test that
+started them: the server starts are most of the suite's time (docs/perf.md, "CI wall time").
+Servers a test's subprocess starts (the bench commands) are not in that count.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -45,6 +50,8 @@ BUDGET_S = budget_s(CPU)
 
 _durations: defaultdict[str, float] = defaultdict(float)
 _over: list[str] = []
+_starts: defaultdict[str, int] = defaultdict(int)
+_current = {"test": "(outside a test)"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,6 +61,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help=f"fail when the {SLOWEST} slowest tests take more than {BUDGET_S:.0f} s together",
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Wrap ``semblend_sglang.server.start_server`` to count each start against the running
+    test (module- and session-scoped fixtures start in their first test's setup)."""
+    from semblend_sglang import server
+
+    real_start = server.start_server
+
+    def counted_start(*args: Any, **kwargs: Any) -> Any:
+        _starts[_current["test"]] += 1
+        return real_start(*args, **kwargs)
+
+    server.start_server = counted_start  # type: ignore[assignment]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, Any, Any]:
+    """Name the running test for the start count."""
+    _current["test"] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _current["test"] = "(outside a test)"
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -104,5 +135,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for path, seconds, tests in files:
         write(f"{seconds:8.1f} s  {tests:4d} tests  {path}")
     write(f"{sum(_durations.values()):8.1f} s  every test of the run ({len(_durations)} tests)")
+    if _starts:
+        terminalreporter.section(f"{sum(_starts.values())} real server starts in this process")
+        for nodeid, count in sorted(_starts.items(), key=lambda kv: (-kv[1], kv[0])):
+            write(f"{count:4d}  {nodeid}")
     for line in _over:
         write(f"FAILED time budget: {line}", red=True)
