@@ -1,7 +1,7 @@
 """The main bench job ``e2e``: every workload against vanilla SGLang and SGLang with semblend.
 
-The systems (one real SGLang server each, started side by side unless ``--url`` names running
-ones) are :mod:`.systems`; what is sent to them, in which order, is :mod:`.e2e_runner`; the
+The systems (one real SGLang server each, started side by side, but those ``--url`` names
+running) are :mod:`.systems`; what is sent to them, in which order, is :mod:`.e2e_runner`; the
 summary rows :mod:`.e2e_summary`; the console table and JSON :mod:`.report`; the PNG
 :mod:`.plot`. This module is the command: options, workloads, servers, and the report file.
 
@@ -26,7 +26,7 @@ from .builtin_workloads import BUILTIN_WORKLOADS, QUICK_WORKLOADS
 from .client import ServerClient
 from .e2e_runner import GREEDY_TOKENS, ProbeRecord, Runner, requests_per_group
 from .e2e_summary import summarize
-from .machine_load import FOREIGN_LOAD_LIMIT, LoadMeter, tree_peak_rss_bytes
+from .machine_load import FOREIGN_LOAD_LIMIT, LoadMeter, listening_pid, tree_peak_rss_bytes
 from .metrics import mean_or_none
 from .plot import plot
 from .report import console_table, settings_lines, write_json
@@ -40,8 +40,8 @@ from .systems import (
     SGLANG_DISPATCH,
     SYSTEMS,
     parse_semblend_env,
-    parse_systems,
     parse_urls,
+    plan_servers,
     start_servers,
 )
 from .workloads import Workload
@@ -65,8 +65,8 @@ output position); summary rows per semblend system ``_divergent_hits``,
 paired ratios ``exact_spans_over_exact`` and ``exact_spans_speedup`` (medians, with ``_min``,
 ``_max``, ``_n``), ``_miss_overhead`` as a median of paired ratios (``_min``, ``_max``),
 ``noisy``, ``noisy_why`` and ``foreign_cores_max``; the report has ``noise`` (run level). 7: the
-report has ``server_peak_rss_bytes`` (system -> the started server tree's summed ``VmHWM``; empty
-with ``--url``); every record is also appended to ``<json stem>.records.jsonl`` as it is made.
+report has ``server_peak_rss_bytes`` (system -> the started server tree's summed ``VmHWM``; none
+for a ``--url``); every record is also appended to ``<json stem>.records.jsonl`` as it is made.
 8: the QA workloads (``qa_rag``, ``qa_rag_corpus``): records carry ``gold`` (the probe's gold
 answer: ``kind``, ``answers``, ``dataset``; null for other workloads); summary rows carry
 ``qa_probes``, ``qa_span_probes`` and per scored source (cold, exact_same_length, exact_spans,
@@ -227,9 +227,9 @@ def _workload_over_essays(
     "urls",
     multiple=True,
     metavar="SYSTEM=URL",
-    help="Measure running servers instead of starting them (SYSTEM: "
-    f"{', '.join(SYSTEMS)}; repeat for several). They are flushed between groups unless "
-    "--no-flush.",
+    help="Measure a running server for SYSTEM (one of "
+    f"{', '.join(SYSTEMS)}; repeat for several) instead of starting one; the --systems not "
+    "named are started. Flushed between groups unless --no-flush.",
 )
 @click.option("--flush/--no-flush", default=True, help="Flush server caches between groups.")
 @click.option(
@@ -317,17 +317,10 @@ def command(
             param_hint="'--answers-only'",
         )
     repeats = repeats or (1 if answers_only else DEFAULT_REPEATS)
-    if systems is None:
-        systems = ",".join(QUICK_SYSTEMS if quick else DEFAULT_SYSTEMS)
-    chosen = parse_systems(systems)
-    url_map = parse_urls(urls)
     semblend_env = parse_semblend_env(semblend_env_values)
-    if semblend_env and url_map:
-        raise click.BadParameter(
-            "applies to started servers only; set it on your servers", param_hint="'--semblend-env'"
-        )
-    if url_map:
-        chosen = [s for s in chosen if s in url_map]
+    default = QUICK_SYSTEMS if quick else DEFAULT_SYSTEMS
+    plan = plan_servers(systems, default, parse_urls(urls), semblend_env)
+    chosen = plan.systems
     length_list = (
         parse_lengths(lengths) if lengths else list(QUICK_LENGTHS if quick else FULL_LENGTHS)
     )
@@ -364,17 +357,22 @@ def command(
                 )
 
     servers: dict[str, Any] = {}
-    if not url_map:
-        click.echo(f"starting {len(chosen)} SGLang servers ({', '.join(chosen)}) ...", err=True)
-        servers = start_servers(chosen, model, server_args, out_dir, semblend_env)
-        url_map = {s: srv.url for s, srv in servers.items()}
+    if plan.to_start:
+        click.echo(
+            f"starting {len(plan.to_start)} SGLang servers ({', '.join(plan.to_start)}) ...",
+            err=True,
+        )
+        servers = start_servers(plan.to_start, model, server_args, out_dir, semblend_env)
+    url_map = {**plan.urls, **{s: srv.url for s, srv in servers.items()}}
     clients = {s: ServerClient(url_map[s]) for s in chosen}
     total = sum(
         requests_per_group(g, chosen, repeats, answers_only) for w in workloads for g in w.groups
     )
-    # Servers named by --url are not this process's children: their CPU time would read as
-    # foreign load, so the load is measured only for started servers.
-    meter = LoadMeter(srv.process.pid for srv in servers.values()) if servers else None
+    # A server --url names counts as the bench's own when it listens on this machine; one
+    # elsewhere would read as foreign load (or none), so then the load is not measured.
+    named = [listening_pid(url) for url in plan.urls.values()]
+    pids = [srv.process.pid for srv in servers.values()] + [p for p in named if p is not None]
+    meter = LoadMeter(pids) if None not in named else None
     json_path = json_path or out_dir / "e2e.json"
     records_path = json_path.with_suffix(".records.jsonl")
     records_path.parent.mkdir(parents=True, exist_ok=True)

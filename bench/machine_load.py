@@ -143,3 +143,29 @@ class LoadMeter:
         foreign = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
         cores = max(0.0, foreign / wall) if wall > 0 else 0.0
         return LoadWindow(foreign_cores=cores, loadavg=max(start.loadavg, end.loadavg))
+
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
+"""Hosts of a ``--url`` that name this machine."""
+
+
+def listening_pid(url: str) -> int | None:
+    """The process listening on ``url``'s port when ``url``'s host is this machine
+    (:data:`LOCAL_HOSTS`), found with psutil; None for another host, a port nobody here
+    listens on, or sockets psutil may not read. The bench calls it for the servers ``--url``
+    names, so that their CPU time is counted as the bench's own and not as foreign load."""
+    from urllib.parse import urlsplit
+
+    import psutil
+
+    parts = urlsplit(url)
+    if parts.hostname not in LOCAL_HOSTS or parts.port is None:
+        return None
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    for conn in connections:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == parts.port:
+            return conn.pid
+    return None

@@ -18,6 +18,7 @@ semantic reuse the rest. Started servers with
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,42 @@ def parse_urls(values: Sequence[str]) -> dict[str, str]:
             )
         out[system] = url
     return out
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """The systems one bench run measures (``systems``, in order), the running servers
+    ``--url`` named for some of them (``urls``: system -> URL) and the rest, which the bench
+    starts (``to_start``)."""
+
+    systems: list[str]
+    urls: dict[str, str]
+    to_start: list[str]
+
+
+def plan_servers(
+    systems: str | None,
+    default: Sequence[str],
+    urls: Mapping[str, str],
+    semblend_env: Mapping[str, str],
+) -> ServerPlan:
+    """Which systems run where: ``systems`` (``--systems``; None: the URL-named systems, in
+    ``--url`` order, or else ``default``); a system ``urls`` names is measured there, every
+    other one is started. ``click.BadParameter`` when ``--url`` names a system outside
+    ``--systems``, or when ``semblend_env`` is given and a semblend server is named by URL (it
+    applies to started servers only)."""
+    chosen = parse_systems(systems) if systems is not None else list(urls or default)
+    stray = [s for s in urls if s not in chosen]
+    if stray:
+        raise click.BadParameter(
+            f"names {', '.join(stray)}, not among --systems {','.join(chosen)}",
+            param_hint="'--url'",
+        )
+    running = [s for s in urls if s in SEMBLEND_SERVERS]
+    if semblend_env and running:
+        raise click.BadParameter(
+            f"applies to started servers only, and --url names {', '.join(running)}: set it "
+            "on your servers",
+            param_hint="'--semblend-env'",
+        )
+    return ServerPlan(chosen, dict(urls), [s for s in chosen if s not in urls])

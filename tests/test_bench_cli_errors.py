@@ -21,6 +21,16 @@ from semblend_sglang.bench.e2e import command
         (["--workloads", "rag,nope"], "--workloads", "unknown workload(s) ['nope']"),
         (["--systems", "vanilla,fast"], "--systems", "fast"),
         (["--semblend-env", "FOO"], "--semblend-env", "expected KEY=VALUE"),
+        (
+            ["--systems", "vanilla", "--url", "exact_spans=http://h:1"],
+            "--url",
+            "names exact_spans, not among --systems vanilla",
+        ),
+        (
+            ["--url", "exact_spans=http://h:1", "--semblend-env", "SEMBLEND_MAX_SPANS=4"],
+            "--semblend-env",
+            "applies to started servers only, and --url names exact_spans",
+        ),
         (["--seed", "many"], "--seed", "'many' is not a valid integer"),
         (["--workload", "/nonexistent.jsonl"], "--workload", "does not exist"),
         (["--answers-only", "--repeats", "2"], "--answers-only", "measures each probe once"),

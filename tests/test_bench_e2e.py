@@ -23,8 +23,10 @@ from semblend_sglang.bench.systems import (
     SERVER_ENV,
     SGLANG_DISPATCH,
     SYSTEMS,
+    ServerPlan,
     parse_semblend_env,
     parse_urls,
+    plan_servers,
 )
 from semblend_sglang.bench.workloads import BenchRequest, RequestGroup
 from semblend_sglang.config import Config
@@ -86,6 +88,25 @@ def test_url_option_is_validated() -> None:
     for bad in ("http://h:1", "semantic=http://h:1", "vanilla=h:1"):
         with pytest.raises(click.BadParameter):
             parse_urls([bad])
+
+
+def test_plan_servers_starts_every_chosen_system_that_no_url_names() -> None:
+    urls = {"vanilla": "http://127.0.0.1:1"}
+    mixed = plan_servers("vanilla,exact_spans", DEFAULT_SYSTEMS, urls, {})
+    assert mixed == ServerPlan(["vanilla", "exact_spans"], urls, ["exact_spans"])
+    # without --systems: the URL-named systems, in --url order, or else the default
+    named = {"exact_spans": "http://h:2", "vanilla": "http://h:1"}
+    assert plan_servers(None, DEFAULT_SYSTEMS, named, {}).systems == ["exact_spans", "vanilla"]
+    assert plan_servers(None, DEFAULT_SYSTEMS, {}, {}).to_start == list(DEFAULT_SYSTEMS)
+    # --semblend-env reaches the started semblend servers; a vanilla one at a URL is no matter
+    env = {"SEMBLEND_MAX_SPANS": "4"}
+    assert plan_servers("vanilla,exact_spans", DEFAULT_SYSTEMS, urls, env).to_start == [
+        "exact_spans"
+    ]
+    with pytest.raises(click.BadParameter, match="applies to started servers only"):
+        plan_servers("vanilla,exact_spans", DEFAULT_SYSTEMS, named, env)
+    with pytest.raises(click.BadParameter, match="not among --systems"):
+        plan_servers("vanilla", DEFAULT_SYSTEMS, named, {})
 
 
 def test_semblend_env_option_is_validated() -> None:
@@ -220,10 +241,16 @@ def test_kl_columns_split_hits_by_spans_beside_the_exact_hits_floor() -> None:
 
 
 @pytest.mark.e2e
-def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Path) -> None:
+def test_quick_run_against_the_cpu_servers(
+    tmp_path: Path, smollm2_model_dir: Path, vanilla_server: SglangServer
+) -> None:
+    """``--quick`` with vanilla at the session's running vanilla server (``--url``: it is
+    measured there, its tree found by its port and metered as the bench's own) and exact_spans
+    started by the bench."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "semblend_sglang.bench", "--quick"]
     cmd += ["--workloads", "cross_instruction", "--systems", "vanilla,exact_spans"]
+    cmd += ["--url", f"vanilla={vanilla_server.url}"]
     cmd += ["--model-path", str(smollm2_model_dir), "--out", str(out), "--repeats", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -279,8 +306,10 @@ def test_quick_run_against_the_cpu_servers(tmp_path: Path, smollm2_model_dir: Pa
     hit = next(ProbeRecord(**r) for r in first if r["outcome"] == "materialized")
     assert hit.kl is not None
     assert f"| {hit.group_id} | {hit.kl:.1e} |" in along.stdout
-    # each started server's tree peaked above the fp32 weights it loaded (SmolLM2-135M: 0.5 GB)
-    assert set(report["server_peak_rss_bytes"]) == {"vanilla", "exact_spans"}
+    # the started server's tree peaked above the fp32 weights it loaded (SmolLM2-135M: 0.5 GB);
+    # the one --url named is not the bench's to stop or weigh
+    assert "starting 1 SGLang servers (exact_spans)" in proc.stderr
+    assert set(report["server_peak_rss_bytes"]) == {"exact_spans"} and vanilla_server.alive()
     assert all(b > 500_000_000 for b in report["server_peak_rss_bytes"].values())
 
 

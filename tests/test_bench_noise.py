@@ -20,7 +20,12 @@ from semblend_sglang.bench.e2e_summary import (
     relative_spread,
     summarize,
 )
-from semblend_sglang.bench.machine_load import FOREIGN_LOAD_LIMIT, LoadMeter, process_tree
+from semblend_sglang.bench.machine_load import (
+    FOREIGN_LOAD_LIMIT,
+    LoadMeter,
+    listening_pid,
+    process_tree,
+)
 from semblend_sglang.bench.report import console_table, spread_label
 from semblend_sglang.bench.workloads import BenchRequest, RequestGroup, Workload
 
@@ -270,3 +275,18 @@ def _state(pid: int) -> str:
             return next((line for line in f if line.startswith("State:")), "").lower()
     except OSError:
         return "zombie"
+
+
+def test_a_local_url_is_traced_to_the_process_listening_on_its_port() -> None:
+    """The pid the bench counts as its own for a ``--url`` server: this process, listening on a
+    real socket; none for another host or a port nobody listens on."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert listening_pid(f"http://127.0.0.1:{port}") == os.getpid()
+        assert listening_pid(f"http://localhost:{port}/v1") == os.getpid()
+        assert listening_pid(f"http://192.0.2.1:{port}") is None  # not this machine
+    assert listening_pid(f"http://127.0.0.1:{port}") is None  # closed
