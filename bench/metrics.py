@@ -21,6 +21,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .workloads import ANSWER_KINDS
 
 
@@ -34,19 +36,12 @@ def _finite_or_inf(values: Sequence[float], what: str) -> list[float]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0 <= q <= 100) with linear interpolation between the closest
-    ranks, like ``numpy.percentile``'s default (``method="linear"``). ValueError if ``values``
-    is empty or has a NaN, or ``q`` is out of range."""
+    """The ``q``-th percentile (0 <= q <= 100) of ``values``: ``numpy.percentile``'s default
+    (linear interpolation between the closest ranks), as a float. ValueError if ``values`` is
+    empty or has a NaN, or ``q`` is out of range (numpy would return NaN or raise its own)."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], not {q}")
-    data = sorted(_finite_or_inf(values, "percentile"))
-    pos = (len(data) - 1) * (q / 100)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    frac = pos - lo
-    if frac == 0 or data[hi] == data[lo]:
-        return data[lo]
-    return data[lo] + (data[hi] - data[lo]) * frac
+    return float(np.percentile(_finite_or_inf(values, "percentile"), q))
 
 
 def summarize_ms(values: Sequence[float]) -> dict[str, float | int]:
@@ -355,13 +350,14 @@ def read_answer(output: str, kind: str) -> str | None:
 
 def mcnemar_exact(b: int, c: int) -> float:
     """Exact two-sided McNemar p-value of paired right/wrong outcomes: ``b`` pairs right on the
-    first side and wrong on the second, ``c`` the reverse. Twice the binomial probability
-    (p = 0.5) of at most ``min(b, c)`` successes in ``b + c`` trials, capped at 1; 1.0 when
-    ``b + c == 0``. Computed exactly from :func:`math.comb`. ValueError for a negative count."""
+    first side and wrong on the second, ``c`` the reverse. SciPy's exact binomial test
+    (``scipy.stats.binomtest``, p = 0.5) of ``min(b, c)`` in ``b + c`` trials: twice the
+    probability of at most ``min(b, c)``, capped at 1; 1.0 when ``b + c == 0`` (no discordant
+    pair: no evidence). ValueError for a negative count."""
     if b < 0 or c < 0:
         raise ValueError(f"counts must be >= 0, not b={b}, c={c}")
-    n = b + c
-    if n == 0:
+    if b + c == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
-    return min(1.0, 2 * tail / 2**n)
+    from scipy.stats import binomtest  # imported here: the latency metrics need no SciPy
+
+    return float(binomtest(min(b, c), b + c, 0.5).pvalue)
