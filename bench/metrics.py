@@ -21,8 +21,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .workloads import ANSWER_KINDS
 
 
@@ -36,12 +34,20 @@ def _finite_or_inf(values: Sequence[float], what: str) -> list[float]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0 <= q <= 100) of ``values``: ``numpy.percentile``'s default
-    (linear interpolation between the closest ranks), as a float. ValueError if ``values`` is
-    empty or has a NaN, or ``q`` is out of range (numpy would return NaN or raise its own)."""
+    """The ``q``-th percentile (0 <= q <= 100) with linear interpolation between the closest
+    ranks, like ``numpy.percentile``'s default (``method="linear"``), except where infinities
+    meet: ``inf`` there, where numpy's interpolation gives NaN.
+    ValueError if ``values`` is empty or has a NaN, or ``q`` is out of range."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], not {q}")
-    return float(np.percentile(_finite_or_inf(values, "percentile"), q))
+    data = sorted(_finite_or_inf(values, "percentile"))
+    pos = (len(data) - 1) * (q / 100)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    frac = pos - lo
+    if frac == 0 or data[hi] == data[lo]:
+        return data[lo]
+    return data[lo] + (data[hi] - data[lo]) * frac
 
 
 def summarize_ms(values: Sequence[float]) -> dict[str, float | int]:

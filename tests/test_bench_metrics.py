@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from semblend_sglang.bench.metrics import (
@@ -26,10 +27,21 @@ from semblend_sglang.bench.metrics import (
 )
 
 
-def test_percentile_interpolates_linearly_between_ranks() -> None:
+def test_percentile_matches_numpy_linear() -> None:
+    rng = random.Random(3)
+    for n in (1, 2, 3, 10, 101):
+        values = [rng.uniform(0, 1000) for _ in range(n)]
+        for q in (0, 10, 25, 50, 90, 99, 100, 33.3):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([10, 20], 90) == 19.0  # 10 + 0.9 * 10
     assert percentile([5, 1, 3], 0) == 1 and percentile([5, 1, 3], 100) == 5
+
+
+def test_percentile_keeps_infinities_where_numpy_gives_nan() -> None:
+    inf = math.inf
+    assert percentile([inf, inf], 50) == inf and percentile([1.0, inf], 50) == inf
+    assert percentile([1.0, 3.0, inf], 25) == 2.0
 
 
 def test_percentile_errors() -> None:
