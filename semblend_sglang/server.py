@@ -55,6 +55,10 @@ class PortInUseError(ServerError):
 
 BIND_FAILURE = "error while attempting to bind on address"
 """What uvicorn logs when the HTTP port is taken (followed by the address and the errno text)."""
+HEALTH_POLL_S = 0.25
+"""How often :meth:`SglangServer.wait_healthy` asks ``/health`` (and reads the log for a taken
+port) while a server starts: a start lasts 30 s or more; a start is seen half a poll late on
+average."""
 
 
 def _flag_names(args: Sequence[str]) -> set[str]:
@@ -184,7 +188,7 @@ class SglangServer:
                         return
             except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError):
                 pass  # not listening yet, or a reply that is no HTTP: ask again
-            time.sleep(1.0)
+            time.sleep(HEALTH_POLL_S)
         raise ServerError(f"sglang server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, grace: float = 20.0) -> int:
