@@ -172,7 +172,9 @@ def test_json_summary_has_one_row_per_label(run: tuple[str, dict[str, Any], Path
     assert isinstance(control["exact_spans_miss_overhead"], float)
     assert control["exact_spans_miss_overhead_n"] == 2 * REPEATS  # both probes, every repeat
     assert report["options"]["repeats"] == REPEATS
-    assert report["noise"]["foreign_cores_max"] is None  # --url servers: load not measured
+    # --url servers that listen on this machine (these stand-ins: this process) are metered
+    # as the bench's own (bench.machine_load.listening_pid): the load is measured
+    assert report["noise"]["foreign_cores_max"] >= 0
     assert control["exact_spans_miss_hook_ms"] == pytest.approx(0.5)  # the server's own counter
     assert control["exact_spans_hit_copy_ms"] is None  # no hit, nothing copied
 
