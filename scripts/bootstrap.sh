@@ -19,7 +19,7 @@
 # configuration, so it is handed pip's own wheel folders and indexes (`pip config list`: on these
 # machines the CPU torch wheel is a local --find-links folder) and chooses across them as pip does.
 # uv installs the same pinned set as pip in seconds from its cache where pip takes minutes
-# (docs/development.md, "Environments").
+# (docs/development.md, "Bootstrap").
 # Idempotent: a stamp in the venv (.semblend-bootstrap-<profile>) holds the hash of every input;
 # with nothing changed it exits in well under a second. Other profiles' venvs are not touched.
 set -euo pipefail
