@@ -14,8 +14,11 @@ question) stay where they are. Without the key nothing is reordered.
 
 :func:`choose_order` is the choice: the longest run of passages (in tokens) that the exact cache
 holds right after the request's own head, in the order the cache holds them (a resident
-request's order), then the others in the request's order. It only asks the cache how much of a
-prompt it holds, so every rank whose cache holds the same tree chooses the same order. Pure:
+request's order), then the others in the request's order, except that passages which follow
+each other in one donor are put together in that donor's order (:func:`donor_runs`: one aligned
+span for semantic reuse instead of several). It asks only the cache how much of a prompt it
+holds and the provider where donors hold each passage, both deterministic, so every rank whose
+cache and donors are the same chooses the same order. Pure:
 the scheduler's arrival hook (:mod:`semblend_sglang.patches.sglang.flow.passage_order`) calls it,
 the request guard calls :func:`passages_error`.
 """
@@ -24,7 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .locate import SpanSource
 
 PASSAGES_PARAM = "semblend_passages"
 """The ``custom_params`` key a request declares its passages with (module docstring)."""
@@ -118,11 +124,13 @@ def passages_error(custom_params: Any, prompt_len: int) -> str | None:
 class PassageOrder:
     """:func:`choose_order`'s answer: ``order`` (for each place, the index of the declared
     passage put there), of which the first ``held`` passages, ``held_tokens`` tokens, are the
-    run the exact cache holds."""
+    run the exact cache holds; ``joins``: places after the run where a passage follows the
+    one before it as it does in a donor (:func:`donor_runs`)."""
 
     order: tuple[int, ...]
     held: int
     held_tokens: int
+    joins: int = 0
 
     @property
     def changed(self) -> bool:
@@ -130,16 +138,54 @@ class PassageOrder:
         return self.order != tuple(range(len(self.order)))
 
 
+def donor_runs(
+    rest: Sequence[int], lengths: Sequence[int], sources: Sequence[SpanSource | None]
+) -> tuple[tuple[int, ...], int]:
+    """``rest`` (passage indices, the request's order) with every chain of passages that follow
+    each other in one donor put together, in that donor's order, where the chain's first
+    passage stands; the others keep their places. Passage ``b`` follows ``a`` when
+    ``sources`` (indexed by passage, :class:`~.locate.SpanSource`) puts both in one donor with
+    ``b`` starting where ``a`` (``lengths[a]`` tokens) ends: there the donor's KV of ``b`` was
+    computed after ``a``, and the two are one aligned span instead of two. Returns the order and
+    its number of such joins. Pure; :func:`choose_order` calls it."""
+    starts = {(src.donor, src.start): i for i in rest if (src := sources[i]) is not None}
+    after: dict[int, int] = {}
+    has_before: set[int] = set()
+    for a in rest:
+        src = sources[a]
+        if src is None:
+            continue
+        b = starts.get((src.donor, src.start + lengths[a]))
+        if b is not None and b != a and b not in has_before:
+            after[a] = b
+            has_before.add(b)
+    order: list[int] = []
+    for i in rest:
+        if i in has_before:
+            continue  # placed with the passage it follows
+        order.append(i)
+        while i in after:
+            i = after[i]
+            order.append(i)
+    return tuple(order), len(after)
+
+
 def choose_order(
-    tokens: Sequence[int], layout: PassageLayout, cached_len: CachedLen, page_size: int = 1
+    tokens: Sequence[int],
+    layout: PassageLayout,
+    cached_len: CachedLen,
+    page_size: int = 1,
+    sources: Callable[[], Sequence[SpanSource | None]] | None = None,
 ) -> PassageOrder:
     """The order to serve ``tokens``' passages in (:class:`PassageOrder`): the longest run (in
     tokens) of passages that ``cached_len`` holds after the head ``tokens[:layout.head_end]``, as a
     depth-first search trying the remaining passages in the request's order (ties: the first found),
-    then every other passage in the request's order. A passage counts as held when the cache holds
+    then every other passage in the request's order, put in donor runs (:func:`donor_runs`) when
+    ``sources`` is given (called once, when two or more passages remain: where donors hold each
+    declared passage of ``tokens`` as sent). A passage counts as held when the cache holds
     the prompt so far through it, up to its last partial page (``page_size``: the tree matches whole
     pages). At most :data:`MAX_CACHE_PROBES` lookups. The request's own order when nothing after the
-    head is held."""
+    head is held and no two remaining passages join."""
     head = [int(t) for t in tokens[: layout.head_end]]
     passages = [layout.passage(tokens, i) for i in range(len(layout.bounds))]
     best: tuple[int, ...] = ()
@@ -164,7 +210,10 @@ def choose_order(
 
     search(head, (), 0)
     rest = tuple(i for i in range(len(passages)) if i not in best)
-    return PassageOrder((*best, *rest), len(best), best_len)
+    joins = 0
+    if sources is not None and len(rest) >= 2:
+        rest, joins = donor_runs(rest, [len(p) for p in passages], sources())
+    return PassageOrder((*best, *rest), len(best), best_len, joins)
 
 
 def reordered_prompt(

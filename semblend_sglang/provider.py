@@ -27,6 +27,7 @@ from .decisions import MAX_CACHED_REQUESTS, RequestDecisions
 from .donor_record import Candidate
 from .embed import DonorSimilarity, WindowedEmbedder, load_embedder
 from .index import TokenIndex
+from .locate import Located, LocateParams, locate_bounds
 from .lookup_budget import LookupBudget
 from .lookup_params import Detokenize, LookupParams, TokenSource
 from .namespace import Namespace
@@ -157,6 +158,15 @@ class SemanticProvider:
             self.decisions.record_final(decision)
             return decision
         return self.decisions.keep(request_id, decision)
+
+    def locate(self, params: LocateParams) -> Located:
+        """Where resident donors hold each of ``params.bounds`` (:func:`.locate.locate_bounds`).
+        Keeps nothing and counts nothing but its errors; never raises (an error locates
+        nothing). The passage-order choice calls it at a request's arrival."""
+        found: Located | None = self._guard(
+            "locate", lambda: locate_bounds(self.index, self.config, params, self._donor_tokens)
+        )
+        return found if found is not None else Located.nowhere(len(params.bounds))
 
     def decline_request(self, request_id: Hashable, reason: str) -> Decision:
         """Decide ``request_id`` as declined with ``reason`` without a lookup (the request asked

@@ -42,15 +42,18 @@ def parts(smollm2_tokenizer: Any, essay_texts: list[str]) -> dict[str, Any]:
         passages.append(_ids(tok, f"Document {chr(65 + k)}: " + " ".join(words) + "\n\n"))
     return {
         "head": _ids(tok, "Answer the question using only the documents below.\n\n"),
+        "other_head": _ids(tok, "Read the documents, then say what they share.\n\n"),
         "passages": passages,
         "q1": _ids(tok, "Question: what is the first document about?\nAnswer:"),
         "q2": _ids(tok, "Question: which document mentions money first?\nAnswer:"),
     }
 
 
-def _prompt(parts: dict[str, Any], order: list[int], question: str) -> tuple[list[int], list]:
+def _prompt(
+    parts: dict[str, Any], order: list[int], question: str, head: str = "head"
+) -> tuple[list[int], list]:
     """The prompt with the passages in ``order``, and their declared bounds."""
-    ids, bounds = list(parts["head"]), []
+    ids, bounds = list(parts[head]), []
     for i in order:
         bounds.append([len(ids), len(ids) + len(parts["passages"][i])])
         ids += parts["passages"][i]
@@ -93,6 +96,39 @@ def test_declared_passages_take_a_resident_requests_order_and_answer_as_its_cold
     plain = _send(url, probe, salt)
     assert ORDER_INFO_KEY not in plain["meta_info"]
     assert plain["meta_info"]["cached_tokens"] < held
+
+
+def test_passages_a_donor_holds_back_to_back_are_put_in_its_order_and_reused_as_one_span(
+    semblend_server: SglangServer, parts: dict[str, Any]
+) -> None:
+    """No order is an exact prefix (the resident has another instruction), but it holds A then
+    B: the request sent as B, C, A is served as C, A, B (A and B where A stood), its A B reused
+    as one span where the same request undeclared reuses them as two; the answer keeps a cold
+    run's of the prompt the model saw."""
+    url = semblend_server.url
+    probe, bounds = _prompt(parts, [1, 2, 0], "q2")  # B, C, A
+    spans = {}
+    for declared in (True, False):
+        salt = f"runs-{declared}-{uuid.uuid4().hex}"
+        _send(url, _prompt(parts, [0, 1], "q1", head="other_head")[0], salt)
+        before = semblend_totals(url)
+        custom = {PASSAGES_PARAM: bounds} if declared else {}
+        got = _send(url, probe, salt, **custom)
+        after = semblend_totals(url)
+        assert after["outcomes"]["materialized"] - before["outcomes"]["materialized"] == 1
+        spans[declared] = after["reused_spans"] - before["reused_spans"]
+        if declared:
+            assert got["meta_info"][ORDER_INFO_KEY] == [1, 2, 0]  # C, A, B
+            orders = after["passage_orders"]
+            assert orders["reordered"] - before["passage_orders"]["reordered"] == 1
+            assert orders["joins"] - before["passage_orders"]["joins"] == 1
+            assert orders["held_tokens"] == before["passage_orders"]["held_tokens"]
+            seen, _ = _prompt(parts, [2, 0, 1], "q2")
+            cold = _send(url, seen, f"cold-{uuid.uuid4().hex}", semblend_reuse=False)
+            a, b = got["output_ids"], cold["output_ids"]
+            agree = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 16)
+            assert agree >= 4, (a, b)
+    assert spans[True] < spans[False], spans
 
 
 def test_a_streamed_request_gets_the_order_and_input_logprobs_keep_the_passages(

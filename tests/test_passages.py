@@ -9,12 +9,14 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from semblend_sglang.locate import SpanSource
 from semblend_sglang.passages import (
     MAX_PASSAGES,
     PASSAGES_PARAM,
     PassageError,
     PassageLayout,
     choose_order,
+    donor_runs,
     parse_passages,
     passages_error,
     reordered_prompt,
@@ -94,6 +96,61 @@ def test_a_passage_counts_as_held_up_to_its_last_partial_page() -> None:
     chosen = choose_order(request, layout, _cache(resident, page=4), page_size=4)
     assert chosen.order == (1, 0) and chosen.held == 2
     assert choose_order(request, layout, _cache(resident[:6], page=4), page_size=4).held == 0
+
+
+LENGTHS = [len(P[n]) for n in "abcd"]
+
+
+def _in_donor(*names: str, donor: int = 0, at: int = 50) -> dict[str, SpanSource]:
+    """Where a donor holding ``names`` back to back from position ``at`` holds each."""
+    out = {}
+    for n in names:
+        out[n] = SpanSource(donor, at)
+        at += len(P[n])
+    return out
+
+
+def _sources(*donors: dict[str, SpanSource]) -> list[SpanSource | None]:
+    held = {n: src for donor in donors for n, src in donor.items()}
+    return [held.get(n) for n in "abcd"]
+
+
+def test_passages_that_follow_each_other_in_a_donor_are_put_together_in_its_order() -> None:
+    # request order d, b, c, a; donor 0 holds a, b back to back, donor 1 holds c, d
+    sources = _sources(_in_donor("a", "b"), _in_donor("c", "d", donor=1, at=10))
+    order, joins = donor_runs([3, 1, 2, 0], LENGTHS, sources)
+    assert order == (2, 3, 0, 1) and joins == 2  # each chain where its first stands: c d, a b
+    # a passage of no donor, and one alone in its donor, keep their places
+    lone = _sources(_in_donor("a", "c"), _in_donor("b", donor=1))
+    assert donor_runs([1, 2, 3, 0], LENGTHS, lone) == ((1, 3, 0, 2), 1)
+
+
+def test_no_join_keeps_the_requests_order() -> None:
+    # a and b in one donor but not back to back, c in another donor at a's end position
+    gap = {"a": SpanSource(0, 50), "b": SpanSource(0, 50 + LENGTHS[0] + 1)}
+    other = {"c": SpanSource(1, 50 + LENGTHS[0])}
+    assert donor_runs([2, 1, 0], LENGTHS, _sources(gap, other)) == ((2, 1, 0), 0)
+    assert donor_runs([0, 1], LENGTHS, [None] * 4) == ((0, 1), 0)
+
+
+def test_donor_runs_follow_the_exact_run_and_are_asked_only_with_two_passages_left() -> None:
+    request = _prompt("c", "d", "b", "a")
+    layout = _layout("c", "d", "b", "a")
+    resident = _cache(_prompt("c", tail=[7]))
+    # c is held; of d, b, a the donor holds a then d back to back
+    located = _sources(_in_donor("a", "d"))
+    asked: list[int] = []
+
+    def sources() -> list[SpanSource | None]:
+        asked.append(1)
+        return [located[n] for n in (2, 3, 1, 0)]  # by declared passage: c, d, b, a
+
+    chosen = choose_order(request, layout, resident, sources=sources)
+    assert chosen.order == (0, 2, 3, 1) and chosen.held == 1 and chosen.joins == 1  # c; b; a d
+    assert asked == [1]
+    everything = _cache(_prompt("c", "d", "b", "a"))
+    held_all = choose_order(request, layout, everything, sources=sources)
+    assert held_all.order == (0, 1, 2, 3) and held_all.joins == 0 and asked == [1]
 
 
 @pytest.mark.parametrize(

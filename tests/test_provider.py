@@ -15,8 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from semblend_sglang.config import Config
+from semblend_sglang.locate import LocateParams, SpanSource
 from semblend_sglang.lookup_params import LookupParams
 from semblend_sglang.namespace import Namespace
+from semblend_sglang.passages import donor_runs
 from semblend_sglang.plan import Decision
 from semblend_sglang.provider import SemanticProvider
 
@@ -76,6 +78,45 @@ def test_reordered_passages_are_all_reused(essay_ids: np.ndarray) -> None:
     lenient.register(NS, "rag", donor)
     one = lenient.lookup(LookupParams(NS, target, 0, "q"))
     assert one.plan is not None and len(one.plan.spans) == 1
+
+
+def test_locate_finds_each_passage_in_the_donor_that_holds_it_and_keeps_nothing(
+    essay_ids: np.ndarray,
+) -> None:
+    passages = [essay_ids[s : s + 400] for s in (3000, 13000, 23000, 33000, 43000)]
+    first = np.concatenate([essay_ids[60000:60030], passages[0], passages[1], passages[2]])
+    second = np.concatenate([essay_ids[61000:61050], passages[3]])
+    provider = new_provider()
+    provider.register(NS, "first", first)
+    provider.register(NS, "second", second)
+    # the request as sent: its own head, then passages 2, 3, 0, 1, and one no donor holds
+    head = essay_ids[70000:70020]
+    target = np.concatenate([head, passages[2], passages[3], passages[0], passages[1]])
+    target = np.concatenate([target, essay_ids[80000:80400]])
+    bounds = tuple((20 + 400 * k, 20 + 400 * (k + 1)) for k in range(5))
+    before = provider.snapshot()
+    sources = provider.locate(LocateParams(NS, target, bounds)).sources
+    assert sources == (
+        SpanSource(0, 30 + 800),
+        SpanSource(1, 50),
+        SpanSource(0, 30),
+        SpanSource(0, 30 + 400),
+        None,
+    )
+    # places 2, 3, 0 hold the first donor's passages back to back: one run, in its order
+    assert donor_runs(range(5), [400] * 5, sources) == ((1, 2, 3, 0, 4), 2)
+    assert provider.snapshot() == before  # no lookup, outcome or error counted
+    other = Namespace("another-model", "fp")
+    assert provider.locate(LocateParams(other, target, bounds)).sources == (None,) * 5
+
+
+def test_locate_errors_locate_nothing(essay_ids: np.ndarray) -> None:
+    provider = new_provider()
+    provider.register(NS, "d", essay_ids[:3000])
+    bounds = ((0, 1000), (1000, 2000))
+    provider.index.candidates = None  # type: ignore[method-assign]  # a broken index
+    assert provider.locate(LocateParams(NS, essay_ids[:2000], bounds)).sources == (None, None)
+    assert provider.snapshot()["errors"].get("locate") == 1
 
 
 def test_exact_len_is_respected(essay_ids: np.ndarray) -> None:
@@ -198,7 +239,8 @@ def _scenario_calls(essay_ids: np.ndarray) -> list[tuple[str, Any]]:
 
 
 def run_scenario(essay_ids: np.ndarray) -> list[str]:
-    """Feed a fixed call sequence to a fresh provider; return its decisions as text."""
+    """Feed a fixed call sequence to a fresh provider; return its decisions (and where it
+    locates five passages of each looked-up prompt) as text."""
     provider = SemanticProvider(
         Config(max_donors=20, strict_prefix_boundary=False), registry=CollectorRegistry()
     )
@@ -215,6 +257,9 @@ def run_scenario(essay_ids: np.ndarray) -> list[str]:
             out.append(
                 describe(provider.lookup(LookupParams(NS, target, exact, rid, page_size=16)))
             )
+            bounds = tuple((head + 500 * k, head + 500 * (k + 1)) for k in range(5))
+            located = provider.locate(LocateParams(NS, target, bounds)).sources
+            out.append(json.dumps([None if s is None else [s.donor, s.start] for s in located]))
     return out
 
 
@@ -230,6 +275,7 @@ def test_two_providers_fed_the_same_calls_decide_identically(
     first = run_scenario(essay_ids)
     assert first == run_scenario(essay_ids)
     assert sum('"plan"' in d for d in first) >= 5  # the scenario exercises real plans
+    assert sum(d.count("[") > 1 for d in first[1::2]) >= 5  # and passages found in donors
     np.save(tmp_path / "ids.npy", essay_ids)
     code = (
         "import json, sys, numpy as np;"

@@ -77,9 +77,11 @@ class SemblendRuntime:
         self._by_settings: dict[str, dict[str, int]] = {}
         """:data:`SETTINGS_COUNTERS` per settings label (:meth:`count_settings`)."""
         self._passage_orders: dict[str, int] = dict.fromkeys(PASSAGE_OUTCOMES, 0)
-        """Requests that declared passages, by :data:`PASSAGE_OUTCOMES`, and
-        ``held_tokens``: the passage tokens the chosen orders put behind an exact prefix."""
+        """Requests that declared passages, by :data:`PASSAGE_OUTCOMES`; ``held_tokens``: the
+        passage tokens the chosen orders put behind an exact prefix; ``joins``: places where they
+        put a passage after the one it follows in a donor."""
         self._passage_orders["held_tokens"] = 0
+        self._passage_orders["joins"] = 0
         self._refused: tuple[str, ...] = ()
         """Server options that rule reuse out (:meth:`refuse`); empty while reuse may run."""
         self._reuse_off: tuple[str, ...] = ()
@@ -154,11 +156,13 @@ class SemblendRuntime:
         counts = self._by_settings.setdefault(label, dict.fromkeys(SETTINGS_COUNTERS, 0))
         counts[counter] += amount
 
-    def count_passage_order(self, outcome: str, held_tokens: int = 0) -> None:
+    def count_passage_order(self, outcome: str, held_tokens: int = 0, joins: int = 0) -> None:
         """One request's passages got ``outcome`` (one of :data:`PASSAGE_OUTCOMES`), its chosen
-        order putting ``held_tokens`` passage tokens behind an exact prefix."""
+        order putting ``held_tokens`` passage tokens behind an exact prefix and making ``joins``
+        donor-run joins (:func:`~semblend_sglang.passages.donor_runs`)."""
         self._passage_orders[outcome] += 1
         self._passage_orders["held_tokens"] += held_tokens
+        self._passage_orders["joins"] += joins
 
     def observe_copy(self, seconds: float) -> None:
         """One prefill batch's donor K/V copy took ``seconds`` (device work included)."""

@@ -14,6 +14,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+from semblend_sglang.locate import LocateParams, SpanSource
 from semblend_sglang.namespace import Namespace
 from semblend_sglang.passages import (
     ORDER_INFO_KEY,
@@ -24,7 +25,7 @@ from semblend_sglang.passages import (
     reordered_prompt,
 )
 
-from ..request_info import custom_params_of, namespace_for
+from ..request_info import custom_params_of, namespace_for, opted_out
 from ..wrapping import Wrappers
 from .request_flow import RequestFlow
 
@@ -42,10 +43,13 @@ def reorder_request(flow: RequestFlow, req: Any, cached_len: CachedLen, page_siz
     """Put the declared passages of ``req`` in :func:`~semblend_sglang.passages.choose_order`'s
     order: ``origin_input_ids`` (and ``origin_input_ids_unpadded``, ``full_untruncated_fill_ids``)
     rewritten in place, the same length; the order recorded in ``req.customized_info`` and
-    counted (:meth:`.runtime.SemblendRuntime.count_passage_order`). Nothing for a request
-    without the key. Left as sent, counted ``declined``: a malformed declaration (the request
-    guard refuses one at the tokenizer manager; an in-process engine has none) and a request
-    asking for the input logprobs of a passage token. May raise; the caller's hook turns that
+    counted (:meth:`.runtime.SemblendRuntime.count_passage_order`). Passages after the exact
+    run are put in donor runs (``SemanticProvider.locate`` of the request as sent) unless
+    semantic reuse will not serve the request (refused options, disabled, substitute mode, the
+    request opted out). Nothing for a request without the key. Left as sent, counted
+    ``declined``: a malformed declaration (the request guard refuses one at the tokenizer
+    manager; an in-process engine has none) and a request asking for the input logprobs of a
+    passage token. May raise; the caller's hook turns that
     into the request as sent."""
     value = declared_passages(req)
     if value is None:
@@ -64,14 +68,31 @@ def reorder_request(flow: RequestFlow, req: Any, cached_len: CachedLen, page_siz
         _report(req, tuple(range(len(layout.bounds))))
         return
     namespace = namespace_for(req)
-    chosen = choose_order(tokens, layout, lambda t: cached_len(t, namespace), page_size)
+
+    def sources() -> tuple[SpanSource | None, ...]:
+        asked = LocateParams(namespace, tokens, layout.bounds)
+        return runtime.provider.locate(asked).sources
+
+    config = runtime.config
+    reuses = (
+        runtime.active and config.enabled and config.mode != "substitute" and not opted_out(req)
+    )
+    chosen = choose_order(
+        tokens,
+        layout,
+        lambda t: cached_len(t, namespace),
+        page_size,
+        sources if reuses else None,
+    )
     if chosen.changed:
         prompt = array("q", reordered_prompt(tokens, layout, chosen.order))
         if req.origin_input_ids_unpadded is req.origin_input_ids:
             req.origin_input_ids_unpadded = prompt
         req.origin_input_ids = prompt
         req.full_untruncated_fill_ids = prompt + array("q", req.output_ids)
-    runtime.count_passage_order("reordered" if chosen.changed else "kept", chosen.held_tokens)
+    runtime.count_passage_order(
+        "reordered" if chosen.changed else "kept", chosen.held_tokens, chosen.joins
+    )
     _report(req, chosen.order)
 
 
