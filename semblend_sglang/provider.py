@@ -2,12 +2,13 @@
 
 Engines call :meth:`SemanticProvider.register` when a request's KV becomes a donor,
 :meth:`~SemanticProvider.lookup` when a request is matched (SGLang calls it at every scheduling
-step: the first decision per request id is cached and later calls cost a dict lookup),
+step: the first decision per request id is cached, later calls cost a dict lookup),
 :meth:`~SemanticProvider.record_materialized` / ``record_declined`` / ``record_cold_fallback``
-after acting on a plan, :meth:`~SemanticProvider.release` when the request ends, and
-:meth:`~SemanticProvider.forget` when a donor's KV is evicted. No method raises into the engine:
-an internal error becomes a decline with reason ``cold_fallback``, is counted and logged once.
-Decisions depend only on the calls made (no clock, no randomness, no string ``hash()``), so every
+after acting on a plan, :meth:`~SemanticProvider.release` when the request ends and
+:meth:`~SemanticProvider.forget` when a donor's KV is evicted; the passage order asks
+:meth:`~SemanticProvider.locate` where donors hold a prompt's passages. No method raises into the
+engine: an internal error becomes a decline (``cold_fallback``), counted and logged once.
+Decisions depend only on the calls made (no clock, no randomness, no string ``hash()``): every
 tensor-parallel rank fed the same calls decides the same.
 """
 
@@ -83,7 +84,6 @@ class SemanticProvider:
         self, namespace: Namespace, handle: Hashable, token_ids: Sequence[int]
     ) -> list[Hashable]:
         """Make ``token_ids`` (whose KV the engine holds under ``handle``) a donor in ``namespace``.
-
         Re-registering a handle replaces it. Donors shorter than ``min_span_tokens`` are not kept.
         May evict the least recently used donors: returns their handles (the engine may drop
         what it keeps for them). Never raises."""
@@ -109,7 +109,6 @@ class SemanticProvider:
 
     def forget(self, handle: Hashable) -> None:
         """Drop donor ``handle`` (its KV is gone). Unknown handles are ignored. Never raises."""
-
         self._guard("forget", lambda: self._drop_donor(handle))
 
     def donor_tokens(self, handle: Hashable) -> np.ndarray | None:
@@ -160,13 +159,11 @@ class SemanticProvider:
         return self.decisions.keep(request_id, decision)
 
     def locate(self, params: LocateParams) -> Located:
-        """Where resident donors hold each of ``params.bounds`` (:func:`.locate.locate_bounds`).
-        Keeps nothing and counts nothing but its errors; never raises (an error locates
-        nothing). The passage-order choice calls it at a request's arrival."""
-        found: Located | None = self._guard(
-            "locate", lambda: locate_bounds(self.index, self.config, params, self._donor_tokens)
-        )
-        return found if found is not None else Located.nowhere(len(params.bounds))
+        """Where resident donors hold each of ``params.bounds`` (:func:`.locate.locate_bounds`);
+        keeps nothing, counts only its errors, never raises (an error locates nothing)."""
+        args = (self.index, self.config, params, self._donor_tokens)
+        found: Located | None = self._guard("locate", lambda: locate_bounds(*args))
+        return found or Located.nowhere(len(params.bounds))
 
     def decline_request(self, request_id: Hashable, reason: str) -> Decision:
         """Decide ``request_id`` as declined with ``reason`` without a lookup (the request asked
