@@ -3,9 +3,10 @@ that aligns with most of it and the donor position its first token aligns with.
 
 The passage-order choice asks it (:meth:`.provider.SemanticProvider.locate`, from the
 scheduler's arrival hook) so that a request's remaining passages can be put in donor runs
-(:func:`.passages.donor_runs`). It searches as a lookup does (the same chunk index, candidates
-best first, the same counted work budget) and keeps nothing: no decision, no outcome, no donor
-touched. Deterministic, so every rank fed the same calls answers alike. Example::
+(:func:`.passages.donor_runs`). It searches as a lookup does (the same candidate search,
+:func:`.candidate_search.search_candidates`, and counted work budget) and keeps nothing: no
+decision, no outcome, no donor touched. Deterministic, so every rank fed the same calls
+answers alike. Example::
 
     asked = LocateParams(namespace, prompt, bounds=((12, 310), (310, 598)))
     provider.locate(asked).sources  # (SpanSource(donor=0, start=40), None): 2nd in no donor
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .align import anchors_of
-from .chunking import as_token_array, chunk_tokens, token_prefix
+from .candidate_search import search_candidates
+from .chunking import as_token_array
 from .config import Config
 from .donor_record import Candidate
 from .index import TokenIndex
@@ -78,25 +79,16 @@ def locate_bounds(
     lo = min(start for start, _ in bounds)
     hi = max(end for _, end in bounds)
     region = tokens[lo:hi]
+    if region.size < config.min_span_tokens:
+        return Located.nowhere(len(bounds))
     budget = LookupBudget(config.lookup_budget_ms)
-    if region.size < config.min_span_tokens or not budget.charge(
-        budget.region_cost(int(region.size))
-    ):
+    found = search_candidates(index, config, params.namespace, region, budget)
+    if found.anchors is None:
         return Located.nowhere(len(bounds))
-    prefix = token_prefix(region)
-    query = chunk_tokens(region, index.params, prefix=prefix)
-    if not budget.charge(budget.candidates_cost(len(query), index.max_postings_per_key)):
-        return Located.nowhere(len(bounds))
-    candidates = index.candidates(
-        params.namespace,
-        query,
-        limit=config.max_candidates,
-        min_shared_tokens=config.min_candidate_tokens,
-    )
-    anchors = anchors_of(region, config.min_span_tokens, prefix=prefix)
+    anchors = found.anchors
     covered = [0] * len(bounds)
     sources: list[SpanSource | None] = [None] * len(bounds)
-    for rank, cand in enumerate(candidates):
+    for rank, cand in enumerate(found.candidates):
         donor = donor_tokens(cand)
         if donor is None:
             continue

@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .align import Anchors, Span, anchors_of
-from .chunking import ChunkParams, as_token_array, chunk_tokens, token_prefix
+from .align import Anchors, Span
+from .candidate_search import search_candidates
+from .chunking import ChunkParams, as_token_array
 from .config import Config
 from .decisions import MAX_CACHED_REQUESTS, RequestDecisions
 from .donor_record import Candidate
@@ -217,22 +218,10 @@ class SemanticProvider:
             return early
         region = tokens[exact_len:]
         budget = LookupBudget(config.lookup_budget_ms)
-        if not budget.charge(budget.region_cost(int(region.size))):
-            return Decision.decline(Reason.LOOKUP_BUDGET)
-        # one polynomial prefix of the region serves both the chunk hashes and the anchors
-        region_prefix = token_prefix(region)
-        query = chunk_tokens(region, self.index.params, prefix=region_prefix)
-        if not budget.charge(budget.candidates_cost(len(query), self.index.max_postings_per_key)):
-            return Decision.decline(Reason.LOOKUP_BUDGET)
-        candidates = self.index.candidates(
-            params.namespace,
-            query,
-            limit=config.max_candidates,
-            min_shared_tokens=config.min_candidate_tokens,
-        )
-        if not candidates:
-            return Decision.decline(Reason.NO_DONOR)
-        anchors = anchors_of(region, config.min_span_tokens, prefix=region_prefix)
+        found = search_candidates(self.index, config, params.namespace, region, budget)
+        if found.anchors is None:
+            return Decision.decline(found.missing)
+        candidates, anchors = found.candidates, found.anchors
         if plans_several_donors(config):
             return self._multi_donor_plan(
                 tokens, region, anchors, exact_len, page_size, candidates, budget, params
