@@ -49,8 +49,7 @@ def reorder_request(flow: RequestFlow, req: Any, cached_len: CachedLen, page_siz
     request opted out). Nothing for a request without the key. Left as sent, counted
     ``declined``: a malformed declaration (the request guard refuses one at the tokenizer
     manager; an in-process engine has none) and a request asking for the input logprobs of a
-    passage token. May raise; the caller's hook turns that
-    into the request as sent."""
+    passage token. May raise; the caller's hook turns that into the request as sent."""
     value = declared_passages(req)
     if value is None:
         return
