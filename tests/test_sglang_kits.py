@@ -10,16 +10,18 @@ concurrent probes (both, alike), ``abort_timeout_kit.AbortAllMixin`` (both),
 ``radix_cache_server_kit.run_radix_attention_test`` (semblend, on a 60-node tree of the kit's
 own generator, each node's decode capped at :data:`RADIX_DECODE_CAP` tokens: the kit's 400 nodes
 and its root's 217 decoded tokens take too long on 2 cores),
-``cache_hit_kit.run_multiturn_cache_hit_test`` (both, on the real essays); and on two semblend
-servers of their own (:func:`limit_servers`), ``streaming_session_kit``'s KV inheritance and
-abort recoveries and ``abort_timeout_kit``'s running and waiting timeouts. The cache-hit and
-session kits import ``datasets``: :data:`KITS_FOLDER`.
+``cache_hit_kit.run_multiturn_cache_hit_test`` (both, on the real essays), ``kl_divergence_kit``
+and ``unified_radix_cache_kit``'s multi-turn KL tests (semblend, on the real essays, gated at the
+exact-hit floor of tests/test_e2e_kl.py); and on two semblend servers of their own
+(:func:`limit_servers`), ``streaming_session_kit``'s KV inheritance and abort recoveries and
+``abort_timeout_kit``'s running and waiting timeouts. The cache-hit and session kits import
+``datasets``: :data:`KITS_FOLDER`.
 
 Left out for time unless ``SEMBLEND_TEST_EVERY_KIT=1`` (:data:`EVERY_KIT_TEST`): the stress
-kit's ~8,000-token prompt and the session kit's two load tests. Not run, with the reason:
-``prefix_cache_branching_kit`` (it expects the chunked cache of hybrid models: with page size 1
-the second request is an exact hit); ``unified_radix_cache_kit`` and ``kl_divergence_kit``
-(GSM8K and model downloads; SGLang's KL measure itself runs in tests/test_e2e_kl.py).
+kit's ~8,000-token prompt, the session kit's two load tests and two of the radix kit's three KL
+tests. Not run, with the reason: ``prefix_cache_branching_kit`` (it expects the chunked cache of
+hybrid models: with page size 1 the second request is an exact hit); ``unified_radix_cache_kit``'s
+``test_gsm8k`` (200 GSM8K questions from the Hub at accuracy >= 0.93).
 """
 
 from __future__ import annotations
@@ -367,3 +369,90 @@ def test_the_waiting_timeout_kit_passes_with_semblend_on(limit_servers: LimitSer
         WaitingTimeoutMixin, limit_servers.waiting, waiting_timeout_max_new_tokens=WAITING_DECODE
     )
     assert outcomes == {"test_waiting_timeout": "passed"}, outcomes
+
+
+KL_KIT_SAMPLES = 4
+KL_KIT_PROMPT_TOKENS = 256
+KL_KIT_NEW_TOKENS = 32
+
+
+def test_the_kl_divergence_kit_passes_with_semblend_on(
+    semblend_server: SglangServer,
+    smollm2_model_dir: Path,
+    smollm2_tokenizer: Any,
+    essay_texts: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's own KL gate on exact traffic with semblend on: a prefill cache hit and a decode
+    cache hit (the prompt, its output and a comma sent again), each hit's output logprobs against
+    a full prefill's, under :data:`tests.test_e2e_kl.EXACT_KL` (float32 on CPU). The kit reads
+    LongBench V2 from the Hub unless its file cache holds the prompts: here the cache holds the
+    real essays, :data:`KL_KIT_PROMPT_TOKENS` tokens each (the kit draws 1,500-4,500), of which
+    it sends :data:`KL_KIT_SAMPLES` with :data:`KL_KIT_NEW_TOKENS` new tokens each."""
+    from sglang.test import kl_test_utils
+    from sglang.test.kits.kl_divergence_kit import KLDivergenceMixin
+
+    from tests.test_e2e_kl import EXACT_KL
+
+    model = str(smollm2_model_dir)
+    samples = kl_test_utils.DEFAULT_NUM_SAMPLES
+    prompts = [smollm2_tokenizer.encode(t)[:KL_KIT_PROMPT_TOKENS] for t in essay_texts[:samples]]
+    assert len(prompts) == samples
+    cached = tmp_path / "input_ids_{}_{}_{}.json".format(
+        model.replace("/", "_"), kl_test_utils.DEFAULT_PROMPT_TOKENS, samples
+    )
+    cached.write_text(json.dumps(prompts))
+    monkeypatch.setattr(kl_test_utils, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kl_test_utils, "_cached_input_ids", {})
+    outcomes = run_kit(
+        KLDivergenceMixin,
+        semblend_server,
+        model=model,
+        kl_div_thres=EXACT_KL,
+        kl_div_max_samples=KL_KIT_SAMPLES,
+        kl_div_prefill_max_new_tokens=KL_KIT_NEW_TOKENS,
+        kl_div_decode_max_new_tokens=KL_KIT_NEW_TOKENS,
+    )
+    assert set(outcomes.values()) == {"passed"}, outcomes
+
+
+RADIX_KL_TESTS = (
+    "test_multiturn_logprobs_match",
+    "test_multiturn_prefill_cache_hit_branching",
+    "test_multiturn_decode_cache_hit_branching",
+)
+"""The unified radix cache kit's KL tests: all three with :data:`EVERY_KIT_TEST` (114 s here),
+else the prefill-hit branching one (branches of one cached prefix, each with its own suffix,
+interleaved). Its ``test_gsm8k`` (200 GSM8K questions from the Hub, accuracy >= 0.93) is beyond
+SmolLM2-135M and this machine."""
+
+
+def test_the_unified_radix_cache_kit_keeps_multiturn_branches_exact_with_semblend_on(
+    semblend_server: SglangServer,
+    smollm2_model_dir: Path,
+    smollm2_tokenizer: Any,
+    essay_texts: list[str],
+) -> None:
+    """Three turns per request (a prompt, then 512 and 256 random tokens after each answer),
+    as branches of shared essay prefixes sent interleaved (and, with :data:`EVERY_KIT_TEST`,
+    alone, and from identical first turns): every cache hit's output logprobs match a full
+    prefill's under :data:`tests.test_e2e_kl.EXACT_KL`. The kit's sizes cut for 2 cores: 2
+    groups of 2 branches, 256-token prefixes, 16 new tokens a turn."""
+    from sglang.test.kits.unified_radix_cache_kit import UnifiedRadixTreeTestMixin
+
+    from tests.test_e2e_kl import EXACT_KL
+
+    outcomes = run_kit(
+        UnifiedRadixTreeTestMixin,
+        semblend_server,
+        only=RADIX_KL_TESTS if EVERY_KIT_TEST else RADIX_KL_TESTS[1:2],
+        model=str(smollm2_model_dir),
+        input_ids=[smollm2_tokenizer.encode(t)[:KL_KIT_PROMPT_TOKENS] for t in essay_texts[:4]],
+        kl_threshold=EXACT_KL,
+        num_groups=2,
+        branches_per_group=2,
+        prefix_len=KL_KIT_PROMPT_TOKENS,
+        max_new_tokens=16,
+    )
+    assert set(outcomes.values()) == {"passed"}, outcomes
