@@ -153,9 +153,10 @@ def test_the_radix_attention_kit_serves_a_random_radix_tree_with_semblend_on(
 
 
 EVERY_KIT_TEST = os.environ.get("SEMBLEND_TEST_EVERY_KIT") == "1"
-"""Set ``SEMBLEND_TEST_EVERY_KIT=1`` to run the stress and session kits whole on semblend: the
-tests below leave out what takes minutes on 2 cores (:data:`STRESS_TESTS`,
-:data:`STREAMING_SESSION_TESTS`); docs/sglang.md gives the last such run."""
+"""Set ``SEMBLEND_TEST_EVERY_KIT=1`` to run the stress and session kits and the radix kit's KL
+tests whole on semblend: the tests below leave out what takes minutes on 2 cores
+(:data:`STRESS_TESTS`, :data:`STREAMING_SESSION_TESTS`, :data:`RADIX_KL_TESTS`); docs/sglang.md
+gives the last such run."""
 
 STRESS_TESTS = ("test_streaming_response", "test_concurrent_requests")
 """The stress kit's tests run by default. Its ``test_long_prompt`` (one ~8,000-token prompt
